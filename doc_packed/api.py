@@ -1,0 +1,81 @@
+"""The public entry point, :func:`doc_packed_attn`."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from ._checks import check_qkv, check_scale, check_window
+
+__all__ = ["doc_packed_attn"]
+
+
+def _group_name(group: dist.ProcessGroup | str) -> tuple[str, int]:
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return group, dist.get_world_size(_resolve_process_group(group))
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name, dist.get_world_size(group)
+    raise TypeError(f"cp_group must be a ProcessGroup or a group name, got {type(group).__name__}")
+
+
+def doc_packed_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    cp_group: dist.ProcessGroup | str | None = None,
+    seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention that stays inside each packed document.
+
+    Args:
+        q: ``[B, S, H_q, D]``. k, v: ``[B, S, H_kv, D]`` with ``H_q % H_kv == 0`` (GQA/MQA
+            without repeating K/V). One dtype (fp16/bf16/fp32; fp64 on CPU), one device.
+        cu_seqlens: ``[B, MAX_DOCS + 1]`` int32 document boundaries per row: starts at 0,
+            non-decreasing, ends at ``S``; unused slots repeat ``S``.
+        causal: a query sees only keys at or before its own position.
+        window_size: ``(left, right)`` in-document window, ``-1`` unbounded. A query at
+            position ``p`` sees ``p'`` when ``p' >= p - left`` and ``p' <= p`` (causal) or
+            ``p' <= p + right``. ``right > 0`` with ``causal=True`` is an error.
+        scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
+            float64 inputs, natural log). Gradients through it are supported.
+        backend: ``"auto"``, ``"flash"``, ``"flex"`` or ``"math"`` (see
+            :mod:`doc_packed.kernels`).
+        cp_group: run context-parallel over this group: ``q/k/v`` are this rank's
+            ``torch.chunk`` of the sequence dim, ``cu_seqlens`` is the whole rows' layout.
+        seq_len: with ``cp_group``, the whole row length when the chunks are uneven
+            (default: local length times group size).
+
+    Returns:
+        ``out`` ``[B, S, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
+    """
+    check_qkv(q, k, v, cu_seqlens)
+    left, right = check_window(causal, window_size)
+    scale = check_scale(scale, q.shape[-1])
+    kernels.resolve(backend, q)
+    local_len = q.shape[1]
+    group_name = None
+    if cp_group is not None:
+        group_name, cp_size = _group_name(cp_group)
+        seq_len = local_len * cp_size if seq_len is None else seq_len
+    elif seq_len is not None and seq_len != local_len:
+        raise ValueError(
+            f"seq_len={seq_len} differs from q's sequence length {local_len}; seq_len is only "
+            "for context-parallel calls (cp_group=...)"
+        )
+    else:
+        seq_len = local_len
+    out, lse = torch.ops.doc_packed.attn_fwd(
+        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,88 @@
+"""torch's flash varlen kernel (``torch.ops.torch_attn``), on torch 2.11 and 2.13+ alike.
+
+The two releases differ in the op's argument list (2.13 adds ``enable_gqa``, ``seqused_k``,
+``block_table``, ``num_splits``), so arguments are passed by name and only those the installed
+schema has. GQA runs natively in the kernel on both: K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .spec import VarlenSpec
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _ops():
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn*)
+
+    fwd = torch.ops.torch_attn._varlen_attn.default
+    bwd = torch.ops.torch_attn._varlen_attn_backward.default
+    return fwd, {a.name for a in fwd._schema.arguments}, bwd, {a.name for a in bwd._schema.arguments}
+
+
+def available() -> bool:
+    try:
+        _ops()
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether the flash kernel takes this input (device, dtype, head size)."""
+    d = q.shape[-1]
+    return (
+        q.device.type == "cuda"
+        and q.dtype in SUPPORTED_DTYPES
+        and d % 8 == 0
+        and d <= 256
+        and available()
+    )
+
+
+def _window(spec: VarlenSpec) -> tuple[bool, list[int]]:
+    window = [spec.left, 0 if spec.causal else spec.right]
+    return window == [-1, 0], window
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.uint64, device=device)
+
+
+def forward(
+    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``."""
+    fwd, names, _, _ = _ops()
+    cu_q, cu_k = spec.cu_tensors(q.device)
+    is_causal, window = _window(spec)
+    kwargs = {"scale": scale, "window_size": window}
+    if "enable_gqa" in names:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    out, lse, _ = fwd(q, k, v, cu_q, cu_k, spec.max_q, spec.max_k, is_causal, **kwargs)
+    return out, lse
+
+
+def backward(
+    spec: VarlenSpec,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, _, bwd, _ = _ops()
+    cu_q, cu_k = spec.cu_tensors(q.device)
+    is_causal, window = _window(spec)
+    rng = spec.cached(("rng", q.device), lambda: _rng_state(q.device))
+    return bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, spec.max_q, spec.max_k, is_causal, rng,
+        scale=scale, window_size=window,
+    )

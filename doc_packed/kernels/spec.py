@@ -1,0 +1,80 @@
+"""One packed variable-length attention problem, described once and shared by every layer.
+
+Queries ``[T_q, H_q, D]`` and keys ``[T_k, H_kv, D]`` are split into segments by ``cu_q`` and
+``cu_k``; query ``i`` of a segment with ``L_q`` queries and ``L_k`` keys sees key ``j`` when::
+
+    i + (L_k - L_q) - left <= j <= i + (L_k - L_q) + right     (right = 0 when causal)
+
+with -1 meaning unbounded: flash-attention's bottom-right-aligned convention, so a query chunk
+given the key prefix of its document stays exactly causal. The same spec drives every backend;
+device tensors are made once per device and cached on the spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class VarlenSpec:
+    """Segment offsets (host ints) plus the mask of a packed varlen attention call."""
+
+    def __init__(
+        self, cu_q: Sequence[int], cu_k: Sequence[int], causal: bool, left: int, right: int
+    ):
+        if len(cu_q) != len(cu_k) or len(cu_q) < 1:
+            raise ValueError("cu_q and cu_k must have the same, non-zero length")
+        self.cu_q = tuple(int(x) for x in cu_q)
+        self.cu_k = tuple(int(x) for x in cu_k)
+        self.causal = causal
+        self.left = left
+        self.right = 0 if causal else right
+        self.total_q = self.cu_q[-1]
+        self.total_k = self.cu_k[-1]
+        self.max_q = max((b - a for a, b in zip(self.cu_q[:-1], self.cu_q[1:])), default=0)
+        self.max_k = max((b - a for a, b in zip(self.cu_k[:-1], self.cu_k[1:])), default=0)
+        self._cache: dict = {}
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cu_q) - 1
+
+    def cached(self, key, factory):
+        try:
+            return self._cache[key]
+        except KeyError:
+            value = self._cache[key] = factory()
+            return value
+
+    def cu_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_q, cu_k)`` as int32 tensors on ``device``."""
+        return self.cached(
+            ("cu", device),
+            lambda: (
+                torch.tensor(self.cu_q, dtype=torch.int32, device=device),
+                torch.tensor(self.cu_k, dtype=torch.int32, device=device),
+            ),
+        )
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query, the inclusive packed-key interval ``[lo, hi]`` it sees (host int64).
+
+        An empty interval (``hi < lo``) means the query sees nothing.
+        """
+
+        def build():
+            cu_q = torch.tensor(self.cu_q, dtype=torch.int64)
+            cu_k = torch.tensor(self.cu_k, dtype=torch.int64)
+            lq, lk = cu_q.diff(), cu_k.diff()
+            seg = torch.repeat_interleave(torch.arange(lq.numel()), lq, output_size=self.total_q)
+            i = torch.arange(self.total_q, dtype=torch.int64) - cu_q[seg]
+            diag = i + (lk - lq)[seg]
+            lo = torch.zeros_like(i) if self.left < 0 else (diag - self.left).clamp_min(0)
+            if self.right < 0:
+                hi = lk[seg] - 1
+            else:
+                hi = torch.minimum(diag + self.right, lk[seg] - 1)
+            return lo + cu_k[seg], hi + cu_k[seg]
+
+        return self.cached("key_bounds", build)

@@ -1,0 +1,108 @@
+"""Helpers around the packed-row layout: building ``cu_seqlens`` and per-token metadata.
+
+``cu_seqlens`` is ``[B, MAX_DOCS + 1]`` int32: row ``b``'s document boundaries, starting at 0,
+non-decreasing, ending at ``S``; unused trailing slots repeat ``S`` (zero-length documents), so
+every row and every rank sees the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["cu_seqlens_from_lengths", "document_ids", "positions", "pack_documents"]
+
+
+def cu_seqlens_from_lengths(
+    lengths: Sequence[Sequence[int]],
+    seq_len: int,
+    *,
+    max_docs: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``cu_seqlens`` ``[B, max_docs + 1]`` from per-row document lengths.
+
+    A row whose lengths sum to less than ``seq_len`` gets one more document holding the rest
+    (padding tokens then attend only to each other). ``max_docs`` defaults to the largest
+    document count of any row; shorter rows are padded with zero-length documents.
+    """
+    rows = []
+    for b, row in enumerate(lengths):
+        row = [int(n) for n in row]
+        if any(n < 0 for n in row):
+            raise ValueError(f"lengths[{b}] has a negative document length: {row}")
+        total = sum(row)
+        if total > seq_len:
+            raise ValueError(f"lengths[{b}] sums to {total}, more than seq_len={seq_len}")
+        if total < seq_len:
+            row.append(seq_len - total)
+        rows.append([n for n in row if n > 0] or [seq_len])
+    if not rows:
+        raise ValueError("lengths must hold at least one row")
+    need = max(len(r) for r in rows)
+    max_docs = need if max_docs is None else max_docs
+    if max_docs < need:
+        raise ValueError(f"max_docs={max_docs} is smaller than the {need} documents of some row")
+    out = torch.full((len(rows), max_docs + 1), seq_len, dtype=torch.int32)
+    for b, row in enumerate(rows):
+        out[b, 0] = 0
+        out[b, 1 : len(row) + 1] = torch.tensor(row, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out.to(device) if device is not None else out
+
+
+def document_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` int64: index of the document each token belongs to (no host sync)."""
+    ends = cu_seqlens[:, 1:].contiguous()
+    t = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(ends, t.expand(ends.shape[0], seq_len).contiguous(), right=True)
+
+
+def positions(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` int64: each token's position inside its document (for RoPE; no host sync)."""
+    ids = document_ids(cu_seqlens, seq_len)
+    starts = torch.gather(cu_seqlens.long(), 1, ids)
+    return torch.arange(seq_len, device=cu_seqlens.device) - starts
+
+
+def pack_documents(
+    documents: Sequence[torch.Tensor],
+    seq_len: int,
+    *,
+    max_docs: int | None = None,
+    pad_value: float | int = 0,
+    split_long: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack variable-length documents ``[L_i, ...]`` into rows ``[B, seq_len, ...]``.
+
+    First-fit in the given order. A document longer than ``seq_len`` is cut into pieces of at
+    most ``seq_len`` tokens, each its own document (``split_long=False`` raises instead). The
+    unfilled tail of a row is ``pad_value`` and forms its own document. Returns
+    ``(rows, cu_seqlens)``.
+    """
+    if not documents:
+        raise ValueError("documents is empty")
+    pieces: list[torch.Tensor] = []
+    for i, d in enumerate(documents):
+        if d.shape[0] > seq_len and not split_long:
+            raise ValueError(f"documents[{i}] has {d.shape[0]} tokens, more than seq_len={seq_len}")
+        pieces.extend(d.split(seq_len) if d.shape[0] > 0 else [])
+    rows: list[list[torch.Tensor]] = []
+    room: list[int] = []
+    for p in pieces:
+        for r, free in enumerate(room):
+            if p.shape[0] <= free:
+                rows[r].append(p)
+                room[r] -= p.shape[0]
+                break
+        else:
+            rows.append([p])
+            room.append(seq_len - p.shape[0])
+    tail = pieces[0].shape[1:]
+    out = torch.full((len(rows), seq_len, *tail), pad_value, dtype=pieces[0].dtype)
+    for r, row in enumerate(rows):
+        out[r, : seq_len - room[r]] = torch.cat(row, 0)
+    cu = cu_seqlens_from_lengths(
+        [[p.shape[0] for p in row] for row in rows], seq_len, max_docs=max_docs
+    )
+    return out, cu

@@ -1,0 +1,191 @@
+"""The ``doc_packed`` custom ops: forward and backward, fake kernels, autograd, flop formulas.
+
+``doc_packed::attn_fwd(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale,
+backend, cp_group) -> (out, lse)`` and ``doc_packed::attn_bwd(dout, q, k, v, out, lse,
+cu_seqlens, ...same...) -> (dq, dk, dv)``.
+
+``seq_len`` is the length of a *whole* row. When ``q.shape[1] == seq_len`` the call is local.
+When it is smaller, the tensors are this rank's ``torch.chunk`` of the sequence dim and
+``cp_group`` must name the process group holding the other chunks: the call then runs the
+context-parallel exchange (:mod:`doc_packed.cp`). Sharding rules and AutoParallel see the
+sequence-sharded call through that mismatch, which is also how the flop formula knows the
+sequence-parallel degree from local shapes alone.
+
+Autograd saves ``(q, k, v, out, lse)`` and calls ``attn_bwd``: the forward is never recomputed.
+A gradient flowing into ``lse`` (when the caller uses it) is handled by composing the two ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from . import _flops, kernels
+from ._layout import DocLayout, get_layout
+
+__all__ = ["attn_fwd", "attn_bwd", "lse_dtype"]
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def local_spec(layout: DocLayout, causal: bool, left: int, right: int) -> kernels.VarlenSpec:
+    """One segment per non-empty document, rows flattened ``[B, S] -> [B * S]``."""
+    S = layout.seq_len
+    cu = [0]
+    for b, row in enumerate(layout.rows):
+        cu.extend(b * S + e for _, e in row)
+    return kernels.VarlenSpec(cu, cu, causal, left, right)
+
+
+def _local_problem(cu_seqlens, seq_len, causal, left, right) -> kernels.VarlenSpec:
+    layout = get_layout(cu_seqlens, seq_len)
+    return layout.derived(
+        ("local_spec", causal, left, right), lambda: local_spec(layout, causal, left, right)
+    )
+
+
+def _check_local(q: torch.Tensor, seq_len: int) -> None:
+    if q.shape[1] != seq_len:
+        raise ValueError(
+            f"q holds {q.shape[1]} of {seq_len} tokens per row (a sequence shard) but no "
+            "context-parallel group was given. Under AutoParallel call "
+            "shardings.autoparallel.lower_context_parallel(autop, placement) before "
+            "apply_placement; with plain tensors pass cp_group= to doc_packed_attn."
+        )
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=())
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_len: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: float,
+    backend: str,
+    cp_group: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cp_group is not None:
+        from .cp import attention as cp_attention
+
+        return cp_attention.forward(
+            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend,
+            cp_group,
+        )
+    _check_local(q, seq_len)
+    B, S, Hq, D = q.shape
+    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
+    backend = kernels.resolve(backend, q)
+    out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend)
+    return out.view(B, S, Hq, D).contiguous(), lse.view(Hq, B, S).transpose(0, 1).contiguous()
+
+
+@attn_fwd.register_fake
+def _(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group):
+    B, S, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=())
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_len: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: float,
+    backend: str,
+    cp_group: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if cp_group is not None:
+        from .cp import attention as cp_attention
+
+        return cp_attention.backward(
+            dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right,
+            scale, backend, cp_group,
+        )
+    _check_local(q, seq_len)
+    B, S, Hq, D = q.shape
+    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
+    backend = kernels.resolve(backend, q)
+    lse_flat = lse.transpose(0, 1).reshape(Hq, B * S)
+    dq, dk, dv = kernels.backward(
+        spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()),
+        lse_flat, scale, backend,
+    )
+    return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
+
+
+@attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backend, cp_group):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+_FWD_ARGS = ("seq_len", "causal", "window_left", "window_right", "scale", "backend", "cp_group")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+    ctx.args = tuple(rest)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+    args = ctx.args
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.doc_packed.attn_bwd(dout, q, k, v, out, lse, cu_seqlens, *args)
+    if dlse is not None:
+        # d lse_i / d s_ij = p_ij, so the lse gradient adds p_ij * dlse_i to dS:
+        #   dq_i += scale * dlse_i * sum_j p_ij k_j     (attention with values := keys)
+        #   dk_j += scale * sum_i p_ij dlse_i q_i        (the dV slot of a backward whose
+        #                                                 output gradient is scale*dlse*q)
+        scale = args[4]
+        w = dlse.to(torch.float32 if q.dtype != torch.float64 else q.dtype).transpose(1, 2)
+        w = w[..., None]  # [B, S, Hq, 1]
+        pk, _ = torch.ops.doc_packed.attn_fwd(q, k, k, cu_seqlens, *args)
+        dq = dq + (scale * w * pk.to(w.dtype)).to(dq.dtype)
+        g = (scale * w * q.to(w.dtype)).to(q.dtype)
+        _, _, dk_extra = torch.ops.doc_packed.attn_bwd(g, q, k, k, out, lse, cu_seqlens, *args)
+        dk = dk + dk_extra
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- flop formulas
+
+
+@register_flop_formula(torch.ops.doc_packed.attn_fwd, get_raw=True)
+def _attn_fwd_flop(q, k, v, cu_seqlens, seq_len, causal, wl, wr, *args, out_val=None, **kw):
+    return _flops.attention_flops(
+        q, k.shape[2], cu_seqlens, seq_len, causal, wl, wr, args[-1], backward=False
+    )
+
+
+@register_flop_formula(torch.ops.doc_packed.attn_bwd, get_raw=True)
+def _attn_bwd_flop(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, *args, out_val=None, **kw):
+    return _flops.attention_flops(
+        q, k.shape[2], cu_seqlens, seq_len, causal, wl, wr, args[-1], backward=True
+    )
