@@ -1,0 +1,161 @@
+"""Context-parallel forward and backward over a process group (called by the custom ops).
+
+Forward: GroupCast the key/value rows each rank needs and the queries the plan moves, run the
+local kernel on contiguous per-segment buffers, send moved queries' outputs and lse back.
+Backward: the adjoint. It fetches K/V (and the moved queries, outputs, output gradients and
+lse) again rather than keeping them from the forward: the ops' saved tensors stay the local
+shards, so memory per layer does not grow with the received K/V (see docs/context_parallel.md
+for the measured trade); dQ goes back to its owners and partial dK/dV are summed into theirs
+(GroupReduce) in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from .._layout import get_layout
+from . import comm
+from .exchange import RankExchange, build_exchange
+from .plan import build_plan, owner_ranges
+
+__all__ = ["forward", "backward", "get_exchange"]
+
+# Plans weigh moving one query against one key/value row by their sizes per token
+# (q, out and their gradients: H_q * D each; k, v and theirs: H_kv * D each).
+TOLERANCE = 0.01
+
+
+def get_exchange(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int, causal: bool,
+    left: int, right: int, group_name: str,
+) -> RankExchange:
+    """This rank's exchange for the layout, built and cross-checked once per layout."""
+    rank, size = comm.group_info(group_name)
+    B, local_len, Hq, D = q.shape
+    Hkv = k.shape[2]
+    start, end = owner_ranges(seq_len, size)[rank]
+    if local_len != end - start:
+        raise ValueError(
+            f"rank {rank} of the context-parallel group holds {local_len} tokens per row, but "
+            f"torch.chunk of seq_len={seq_len} over {size} ranks gives it {end - start}"
+        )
+    layout = get_layout(cu_seqlens, seq_len)
+    if layout.batch != B:
+        raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
+    query_cost = Hq / Hkv
+
+    def build() -> RankExchange:
+        comm.check_agreement(
+            group_name, q.device, "the context-parallel plan's inputs",
+            layout.rows, seq_len, size, causal, left, right, Hq, Hkv, D, str(q.dtype),
+        )
+        plan = layout.derived(
+            ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
+            lambda: build_plan(
+                layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE
+            ),
+        )
+        return build_exchange(plan, rank, q.device)
+
+    return layout.derived(
+        ("cp_exchange", group_name, rank, causal, left, right, Hq, Hkv, q.device), build
+    )
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _cast_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``cat([rows, rows the plan moves here])`` for query-indexed rows."""
+    if not ex.q_traffic:
+        return rows
+    got = comm.group_cast(rows, ex.q_send_index, ex.q_send_splits, ex.q_recv_splits, group_name)
+    return torch.cat([rows, got])
+
+
+def _return_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Local rows from kernel rows: rows computed for other owners travel back first."""
+    if ex.q_traffic:
+        back = comm.all_to_all(
+            rows.index_select(0, ex.return_index), ex.q_recv_splits, ex.q_send_splits, group_name
+        )
+        rows = torch.cat([rows, back])
+    return rows.index_select(0, ex.out_index)
+
+
+def _kv_buffers(ex: RankExchange, kf: torch.Tensor, vf: torch.Tensor, group_name: str):
+    if ex.kv_traffic:
+        D = kf.shape[-1]
+        send = torch.cat(
+            [kf.index_select(0, ex.kv_send_index), vf.index_select(0, ex.kv_send_index)], -1
+        )
+        got = comm.all_to_all(send, ex.kv_send_splits, ex.kv_recv_splits, group_name)
+        kf, vf = torch.cat([kf, got[..., :D]]), torch.cat([vf, got[..., D:]])
+    return kf.index_select(0, ex.k_index), vf.index_select(0, ex.k_index)
+
+
+def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
+    ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    B, L, Hq, D = q.shape
+    backend = kernels.resolve(backend, q)
+    k_buf, v_buf = _kv_buffers(ex, _flat(k), _flat(v), group_name)
+    q_buf = _cast_rows(ex, _flat(q), group_name).index_select(0, ex.q_index)
+    outs, lses = [], []
+    for call in ex.calls:
+        o, l = kernels.forward(
+            call.spec, q_buf[call.q0 : call.q1], k_buf[call.k0 : call.k1],
+            v_buf[call.k0 : call.k1], scale, backend,
+        )
+        outs.append(o)
+        lses.append(l.t())
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_buf = torch.cat(outs) if outs else q.new_empty((0, Hq, D))
+    lse_buf = torch.cat(lses) if lses else q.new_empty((0, Hq), dtype=lse_dtype)
+    out = _return_rows(ex, out_buf, group_name).view(B, L, Hq, D)
+    lse = _return_rows(ex, lse_buf.contiguous(), group_name).view(B, L, Hq)
+    return out, lse.permute(0, 2, 1).contiguous()
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
+    ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    B, L, Hq, D = q.shape
+    Hkv = k.shape[2]
+    backend = kernels.resolve(backend, q)
+    kf, vf = _flat(k), _flat(v)
+    k_buf, v_buf = _kv_buffers(ex, kf, vf, group_name)
+    # q, out, dout move together; lse (float32) separately
+    qod = torch.stack([_flat(q), _flat(out), _flat(dout)], 1)  # [T, 3, Hq, D]
+    qod_buf = _cast_rows(ex, qod, group_name).index_select(0, ex.q_index)
+    lse_rows = lse.permute(0, 2, 1).reshape(B * L, Hq)
+    lse_buf = _cast_rows(ex, lse_rows, group_name).index_select(0, ex.q_index)
+    dqs, dks, dvs = [], [], []
+    for call in ex.calls:
+        qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
+        part = qod_buf[qs]
+        dq, dk, dv = kernels.backward(
+            call.spec, part[:, 2].contiguous(), part[:, 0].contiguous(), k_buf[ks], v_buf[ks],
+            part[:, 1].contiguous(), lse_buf[qs].t().contiguous(), scale, backend,
+        )
+        dqs.append(dq)
+        dks.append(dk)
+        dvs.append(dv)
+    dq_buf = torch.cat(dqs) if dqs else q.new_empty((0, Hq, D))
+    dq = _return_rows(ex, dq_buf, group_name).view(q.shape)
+    # partial dK/dV of every key row used here, summed per source row in float32
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n_src = kf.shape[0] + sum(ex.kv_recv_splits) if ex.kv_traffic else kf.shape[0]
+    dkv = torch.zeros(n_src, Hkv, 2 * D, dtype=acc, device=q.device)
+    if dks:
+        dkv.index_add_(0, ex.k_index, torch.cat([torch.cat(dks), torch.cat(dvs)], -1).to(acc))
+    T = kf.shape[0]
+    if ex.kv_traffic:
+        comm.group_reduce(
+            dkv[:T], dkv[T:].to(q.dtype), ex.kv_send_index, ex.kv_send_splits, ex.kv_recv_splits,
+            group_name,
+        )
+    dkv = dkv[:T].to(q.dtype)
+    dk = dkv[..., :D].contiguous().view(k.shape)
+    dv = dkv[..., D:].contiguous().view(v.shape)
+    return dq, dk, dv

@@ -1,0 +1,401 @@
+"""The context-parallel plan: which rank computes which queries, and what each must receive.
+
+Rank ``r`` owns the ``r``-th ``torch.chunk`` of every row (DTensor's ``Shard(1)``). Work is
+counted exactly: a run of queries costs its number of visible (query, key) pairs
+(:mod:`doc_packed._mask`). The planner solves balance and locality together:
+
+1. *Owner-first.* Every row is cut at document and shard boundaries into pieces; each piece
+   starts on its owner. Nothing moves yet, so traffic is only the keys a rank's queries need
+   from the previous shards of their own documents.
+2. *Shed the excess, cheapest first.* Ranks above the mean (by more than ``tolerance``) hand
+   work to ranks below it, one contiguous run of queries at a time, cut to move exactly the
+   work needed (token granularity). Each move is chosen by its marginal traffic per unit of
+   work moved: ``query_cost * queries + keys the receiver does not already hold``. Receivers
+   tried are the owners of the run's keys (which already hold part of them: for causal
+   attention these are the earlier, lighter shards of the same document) and the ranks with
+   the most room. A piece moves at most once, and only whole runs of one document move.
+
+The result keeps documents together and queries at or next to their owners; a rank receives
+each key it needs once, and only keys its queries see. The plan depends only on the layout,
+the group size and the mask, so every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from .._checks import check_window
+from .._layout import DocLayout, get_layout
+from .._mask import key_bounds, prefix_pairs
+
+__all__ = ["ContextParallelPlan", "plan_context_parallel", "build_plan", "owner_ranges"]
+
+_TOP_PIECES = 4
+_TOP_RECEIVERS = 3
+
+
+def owner_ranges(seq_len: int, cp_size: int) -> list[tuple[int, int]]:
+    """``torch.chunk`` semantics: rank ``r`` holds ``[r * c, (r + 1) * c)`` with ``c = ceil(S / n)``."""
+    cs = -(-seq_len // cp_size)
+    return [(min(r * cs, seq_len), min((r + 1) * cs, seq_len)) for r in range(cp_size)]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Queries ``[start, end)`` of row ``batch`` (inside one document) and the keys they see."""
+
+    batch: int
+    start: int
+    end: int
+    key_start: int
+    key_end: int
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """Immutable plan for one layout, group size and mask (the same on every rank).
+
+    Attributes:
+        q_ranges: per rank, the ``(batch, start, end)`` global token ranges whose queries it
+            computes; together they cover every query exactly once.
+        work: per rank, the exact number of (query, key) pairs it computes.
+        kv_recv_tokens: per rank, the key/value tokens it receives in the forward.
+        q_moved_tokens: per rank, the queries it computes for other owners.
+        segments: per rank, the kernel segments (one document each) behind ``q_ranges``.
+        kv_ranges: per rank, the ``(batch, start, end)`` key ranges it needs (its own shard
+            included), disjoint and sorted.
+    """
+
+    cp_size: int
+    seq_len: int
+    batch: int
+    causal: bool
+    window_size: tuple[int, int]
+    q_ranges: tuple[tuple[tuple[int, int, int], ...], ...]
+    work: tuple[int, ...]
+    kv_recv_tokens: tuple[int, ...]
+    q_moved_tokens: tuple[int, ...]
+    segments: tuple[tuple[Segment, ...], ...] = field(repr=False)
+    kv_ranges: tuple[tuple[tuple[int, int, int], ...], ...] = field(repr=False)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest per-rank work over the mean (1.0 is perfect)."""
+        total = sum(self.work)
+        return max(self.work) * self.cp_size / total if total else 1.0
+
+    @property
+    def owners(self) -> list[tuple[int, int]]:
+        return owner_ranges(self.seq_len, self.cp_size)
+
+    def summary(self) -> str:
+        ag = 2 * self.batch * (self.seq_len - self.seq_len // self.cp_size)
+        return (
+            f"cp={self.cp_size} imbalance={self.imbalance:.3f} "
+            f"kv_recv max={max(self.kv_recv_tokens)} (all-gather {ag // 2}) "
+            f"q_moved max={max(self.q_moved_tokens)}"
+        )
+
+
+class _Doc:
+    __slots__ = ("start", "end", "length")
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end, self.length = start, end, end - start
+
+
+class _Planner:
+    def __init__(self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance):
+        self.S, self.c = seq_len, cp_size
+        self.causal, self.left, self.right = causal, left, right
+        self.query_cost, self.tolerance = query_cost, tolerance
+        self.cs = -(-seq_len // cp_size)
+        self.owned = owner_ranges(seq_len, cp_size)
+        self.rows = layout_rows
+        # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
+        self.pieces: list[list] = []
+        self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
+        self.load = [0] * cp_size
+        for b, docs in enumerate(layout_rows):
+            for ds, de in docs:
+                doc = _Doc(ds, de)
+                for r in range(ds // self.cs, (de - 1) // self.cs + 1):
+                    a, e = max(ds, r * self.cs), min(de, (r + 1) * self.cs)
+                    p = [b, a, e, doc, r]
+                    self.pieces.append(p)
+                    self.by_rank[r].append(p)
+                    self.load[r] += self._work(doc, a, e)
+        # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
+        self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
+        for p in self.pieces:
+            self._add_keys(p[4], p[0], *self._key_range(p[3], p[1], p[2]))
+
+    # -- mask arithmetic -------------------------------------------------------------------
+    def _prefix(self, doc: _Doc, n: int) -> int:
+        return prefix_pairs(n, doc.length, self.causal, self.left, self.right)
+
+    def _work(self, doc: _Doc, a: int, e: int) -> int:
+        return self._prefix(doc, e - doc.start) - self._prefix(doc, a - doc.start)
+
+    def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
+        lo, _ = key_bounds(a - doc.start, doc.length, self.causal, self.left, self.right)
+        _, hi = key_bounds(e - 1 - doc.start, doc.length, self.causal, self.left, self.right)
+        return doc.start + lo, doc.start + hi + 1
+
+    def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
+        """The run at the tail (or head) of ``[a, e)`` carrying at most ``amount`` work
+        (at least one token)."""
+        i0, i1 = a - doc.start, e - doc.start
+        if tail:
+            target = self._prefix(doc, i1) - amount  # smallest m with F(m) >= target
+            lo, hi = i0, i1 - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._prefix(doc, mid) >= target:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return doc.start + lo, e
+        target = self._prefix(doc, i0) + amount  # largest m with F(m) <= target
+        lo, hi = i0 + 1, i1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._prefix(doc, mid) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return a, doc.start + lo
+
+    # -- key bookkeeping -------------------------------------------------------------------
+    def _outside_owned(self, r: int, s: int, e: int) -> list[tuple[int, int]]:
+        os_, oe = self.owned[r]
+        parts = []
+        if s < min(e, os_):
+            parts.append((s, min(e, os_)))
+        if max(s, oe) < e:
+            parts.append((max(s, oe), e))
+        return parts
+
+    def _new_keys(self, r: int, b: int, s: int, e: int) -> int:
+        have = self.fetched[r].get(b, ())
+        n = 0
+        for ps, pe in self._outside_owned(r, s, e):
+            n += pe - ps
+            for fs, fe in have:
+                if fs >= pe:
+                    break
+                n -= max(0, min(fe, pe) - max(fs, ps))
+        return n
+
+    def _add_keys(self, r: int, b: int, s: int, e: int) -> None:
+        for ps, pe in self._outside_owned(r, s, e):
+            ivs = self.fetched[r].setdefault(b, [])
+            merged, placed = [], False
+            for iv in ivs:
+                if iv[1] < ps:
+                    merged.append(iv)
+                elif iv[0] > pe:
+                    if not placed:
+                        merged.append([ps, pe])
+                        placed = True
+                    merged.append(iv)
+                else:
+                    ps, pe = min(ps, iv[0]), max(pe, iv[1])
+            if not placed:
+                merged.append([ps, pe])
+            self.fetched[r][b] = merged
+
+    # -- balancing ---------------------------------------------------------------------------
+    def _key_owners(self, s: int, e: int) -> range:
+        return range(s // self.cs, min(self.c, (e - 1) // self.cs + 1))
+
+    def balance(self) -> None:
+        total = sum(self.load)
+        if total == 0 or self.c == 1:
+            return
+        mean = total / self.c
+        cap = mean * (1 + self.tolerance)
+        heap = [(-(mean - w), r) for r, w in enumerate(self.load) if w < mean]
+        heapq.heapify(heap)
+
+        def top_receivers() -> list[int]:
+            out = []
+            while heap and len(out) < _TOP_RECEIVERS:
+                neg, r = heapq.heappop(heap)
+                if -neg == mean - self.load[r] and r not in out:
+                    out.append(r)
+            for r in out:
+                heapq.heappush(heap, (-(mean - self.load[r]), r))
+            return out
+
+        for h in sorted(range(self.c), key=lambda r: -self.load[r]):
+            while self.load[h] > cap:
+                excess = self.load[h] - mean
+                move = self._best_move(h, excess, mean, top_receivers())
+                if move is None:
+                    break
+                piece, tail, t = move
+                room = mean - self.load[t]
+                b, a, e, doc, _ = piece
+                amount = max(1, int(min(excess, room, self._work(doc, a, e))))
+                ma, me = self._cut(doc, a, e, amount, tail)
+                moved = self._work(doc, ma, me)
+                if (ma, me) == (a, e):
+                    piece[4] = t
+                    self.by_rank[h].remove(piece)
+                    self.by_rank[t].append(piece)
+                else:
+                    if tail:
+                        piece[2] = ma
+                    else:
+                        piece[1] = me
+                    new = [b, ma, me, doc, t]
+                    self.pieces.append(new)
+                    self.by_rank[t].append(new)
+                self.load[h] -= moved
+                self.load[t] += moved
+                self._add_keys(t, b, *self._key_range(doc, ma, me))
+                if self.load[t] < mean:
+                    heapq.heappush(heap, (-(mean - self.load[t]), t))
+
+    def _best_move(self, h, excess, mean, receivers):
+        own = [p for p in self.by_rank[h] if p[2] > p[1]]
+        if not own:
+            return None
+        density = lambda p: self._work(p[3], p[1], p[2]) / (p[2] - p[1])  # noqa: E731
+        cands = heapq.nlargest(_TOP_PIECES, own, key=density)
+        # runs continuing a document from the previous shard: that shard holds their prefix
+        for p in own:
+            if p[1] == self.owned[h][0] and p[3].start < p[1] and p not in cands:
+                cands.append(p)
+        best, best_score = None, float("inf")
+        for p in cands:
+            b, a, e, doc, _ = p
+            w = self._work(doc, a, e)
+            if w == 0:
+                continue
+            amount = max(1, int(min(excess, w)))
+            sides = (True,) if amount >= w else (True, False)
+            for tail in sides:
+                ma, me = self._cut(doc, a, e, amount, tail)
+                moved = self._work(doc, ma, me)
+                if moved == 0:
+                    continue
+                ks, ke = self._key_range(doc, ma, me)
+                dests = [r for r in self._key_owners(ks, ke) if r != h][-2:] + receivers
+                for t in dests:
+                    if t == h or self.load[t] >= mean:
+                        continue
+                    cost = self.query_cost * (me - ma) + self._new_keys(t, b, ks, ke)
+                    score = cost / min(moved, mean - self.load[t])
+                    if score < best_score:
+                        best, best_score = (p, tail, t), score
+        return best
+
+    # -- result ------------------------------------------------------------------------------
+    def result(self, window) -> ContextParallelPlan:
+        segments: list[list[Segment]] = []
+        for r in range(self.c):
+            runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=lambda p: (p[0], p[1]))
+            merged: list[list] = []
+            for p in runs:
+                q = merged[-1] if merged else None
+                if q is not None and q[0] == p[0] and q[2] == p[1] and q[3] is p[3]:
+                    q[2] = p[2]
+                else:
+                    merged.append(list(p))
+            segs = []
+            for b, a, e, doc, _ in merged:
+                ks, ke = self._key_range(doc, a, e)
+                segs.append(Segment(b, a, e, ks, ke))
+            segments.append(segs)
+        work = tuple(sum(self._work(p[3], p[1], p[2]) for p in self.by_rank[r]) for r in range(self.c))
+        q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
+        for r in range(self.c):
+            os_, oe = self.owned[r]
+            q_ranges.append(tuple((s.batch, s.start, s.end) for s in segments[r]))
+            moved = 0
+            for s in segments[r]:
+                moved += (s.end - s.start) - max(0, min(s.end, oe) - max(s.start, os_))
+            q_moved.append(moved)
+            ivs = _union((s.batch, s.key_start, s.key_end) for s in segments[r])
+            kv_ranges.append(tuple(ivs))
+            kv_recv.append(sum(e - s - max(0, min(e, oe) - max(s, os_)) for _, s, e in ivs))
+        return ContextParallelPlan(
+            cp_size=self.c,
+            seq_len=self.S,
+            batch=len(self.rows),
+            causal=self.causal,
+            window_size=window,
+            q_ranges=tuple(q_ranges),
+            work=work,
+            kv_recv_tokens=tuple(kv_recv),
+            q_moved_tokens=tuple(q_moved),
+            segments=tuple(tuple(s) for s in segments),
+            kv_ranges=tuple(kv_ranges),
+        )
+
+
+def _union(ranges) -> list[tuple[int, int, int]]:
+    out: list[list[int]] = []
+    for b, s, e in sorted(ranges):
+        if out and out[-1][0] == b and s <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], e)
+        else:
+            out.append([b, s, e])
+    return [tuple(x) for x in out]
+
+
+def build_plan(
+    layout: DocLayout,
+    cp_size: int,
+    causal: bool,
+    left: int,
+    right: int,
+    *,
+    query_cost: float = 1.0,
+    tolerance: float = 0.01,
+) -> ContextParallelPlan:
+    """Plan from a validated layout; ``left``/``right`` already normalised (right=0 if causal)."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    planner = _Planner(
+        layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance
+    )
+    planner.balance()
+    return planner.result((left, right))
+
+
+def plan_context_parallel(
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    query_cost: float = 1.0,
+    tolerance: float = 0.01,
+) -> ContextParallelPlan:
+    """The plan context parallelism runs for this layout over ``cp_size`` ranks.
+
+    ``cu_seqlens`` is the whole rows' ``[B, MAX_DOCS + 1]`` layout (any device; read once).
+    ``query_cost`` is what moving one query costs relative to one key/value token (the runtime
+    uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError("cu_seqlens must be a torch.Tensor")
+    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
+        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1], got {tuple(cu_seqlens.shape)}")
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    left, right = check_window(causal, window_size)
+    seq_len = int(cu_seqlens[0, -1])
+    layout = get_layout(cu_seqlens, seq_len)
+    return layout.derived(
+        ("cp_plan", cp_size, causal, left, right, query_cost, tolerance),
+        lambda: build_plan(
+            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance
+        ),
+    )

@@ -1,0 +1,139 @@
+"""Sharding strategies of ``doc_packed::attn_fwd`` / ``attn_bwd``, registered once with DTensor.
+
+Per mesh dim a strategy is one of four *kinds*:
+
+=========  =====================================  ==========================  ===============
+kind       q / k / v / out and their gradients    lse ``[B, H, S]``           cu_seqlens
+=========  =====================================  ==========================  ===============
+replicate  Replicate                              Replicate                   Replicate
+batch      Shard(0)                               Shard(0)                    Shard(0)
+heads      Shard(2)                               Shard(1)                    Replicate
+sequence   Shard(1) (context parallel)            Shard(2)                    Replicate
+=========  =====================================  ==========================  ===============
+
+A strategy is one kind per mesh dim, offered only when it divides evenly: the batch size by the
+product of the batch dims, ``H_q`` *and* ``H_kv`` by the product of the head dims (so GQA groups
+stay whole), ``S`` by the sequence dim; at most one mesh dim shards the sequence.
+
+The rules go through DTensor's own registry (``register_op_strategy``, the layer that
+``register_sharding`` wraps): eager DTensor dispatch and AutoParallel's solver both read it.
+``register_sharding`` itself cannot express the cross-dim rules above (it expands per-dim
+choices by a cartesian product), hence the layer below it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from doc_packed.ops import lse_dtype
+
+__all__ = ["KINDS", "FWD", "BWD", "offered_kinds", "kind_of", "seq_len_arg"]
+
+KINDS = ("replicate", "batch", "heads", "sequence")
+_R, _S0, _S1, _S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+
+# kind -> (output placements, input placements) for one mesh dim
+FWD: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {
+    # outputs: out, lse | inputs: q, k, v, cu_seqlens
+    "replicate": ((_R, _R), (_R, _R, _R, _R)),
+    "batch": ((_S0, _S0), (_S0, _S0, _S0, _S0)),
+    "heads": ((_S2, _S1), (_S2, _S2, _S2, _R)),
+    "sequence": ((_S1, _S2), (_S1, _S1, _S1, _R)),
+}
+BWD: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {
+    # outputs: dq, dk, dv | inputs: dout, q, k, v, out, lse, cu_seqlens
+    "replicate": ((_R,) * 3, (_R,) * 7),
+    "batch": ((_S0,) * 3, (_S0,) * 7),
+    "heads": ((_S2,) * 3, (_S2,) * 5 + (_S1, _R)),
+    "sequence": ((_S1,) * 3, (_S1,) * 5 + (_S2, _R)),
+}
+_Q_INDEX = {"fwd": 0, "bwd": 1}
+_SEQ_LEN_INDEX = {"fwd": 4, "bwd": 7}
+
+
+def seq_len_arg(op: torch._ops.OpOverload, args: Sequence[object]) -> int:
+    return int(args[_SEQ_LEN_INDEX[_which(op)]])
+
+
+def _which(op: torch._ops.OpOverload) -> str:
+    return "fwd" if op is torch.ops.doc_packed.attn_fwd.default else "bwd"
+
+
+def offered_kinds(
+    mesh_shape: Sequence[int], batch: int, seq_len: int, q_heads: int, kv_heads: int
+) -> list[tuple[str, ...]]:
+    """Every per-mesh-dim kind assignment offered for these global sizes."""
+    offered = []
+    for kinds in itertools.product(KINDS, repeat=len(mesh_shape)):
+        size = {kind: math.prod(n for n, k in zip(mesh_shape, kinds) if k == kind) for kind in KINDS}
+        if kinds.count("sequence") > 1:
+            continue
+        if batch % size["batch"] or q_heads % size["heads"] or kv_heads % size["heads"]:
+            continue
+        if seq_len % size["sequence"]:
+            continue
+        offered.append(kinds)
+    return offered
+
+
+def kind_of(placements: Sequence[Placement], which: str = "q") -> tuple[str, ...]:
+    """Per mesh dim, the kind that q's (or a q-like tensor's) ``placements`` express."""
+    names = {_R: "replicate", _S0: "batch", _S2: "heads", _S1: "sequence"}
+    return tuple(names.get(p, str(p)) for p in placements)
+
+
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> TensorMeta:
+    shape = torch.Size(shape)
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return TensorMeta(shape, stride, dtype)
+
+
+def _strategy(op_schema: OpSchema) -> OpStrategy:
+    which = _which(op_schema.op)
+    table = FWD if which == "fwd" else BWD
+    args = op_schema.args_schema
+    inputs = [a for a in args if isinstance(a, OpStrategy)]
+    mesh = inputs[0].mesh
+    q_meta = inputs[_Q_INDEX[which]].strategies[0].output_spec.tensor_meta
+    k_meta = inputs[_Q_INDEX[which] + 1].strategies[0].output_spec.tensor_meta
+    B, S, Hq, _ = q_meta.shape
+    Hkv = k_meta.shape[2]
+    if which == "fwd":
+        out_metas = [_meta(q_meta.shape, q_meta.dtype), _meta((B, Hq, S), lse_dtype(q_meta.dtype))]
+    else:
+        out_metas = [
+            _meta(inputs[i].strategies[0].output_spec.tensor_meta.shape, q_meta.dtype)
+            for i in (1, 2, 3)
+        ]
+    in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
+    specs = []
+    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv):
+        outs = [
+            DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m)
+            for i, m in enumerate(out_metas)
+        ]
+        ins = [
+            DTensorSpec(mesh, tuple(table[kd][1][i] for kd in kinds), tensor_meta=m)
+            for i, m in enumerate(in_metas)
+        ]
+        costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
+        specs.append(OpSpec(output_specs=tuple(outs), input_specs=ins, redistribute_cost=costs))
+    return OpStrategy(specs)
+
+
+def register() -> None:
+    """Register both ops' strategies with DTensor (idempotent)."""
+    register_op_strategy(
+        torch.ops.doc_packed.attn_fwd.default, schema_info=RuntimeSchemaInfo(static_argnum=4)
+    )(_strategy)
+    register_op_strategy(
+        torch.ops.doc_packed.attn_bwd.default, schema_info=RuntimeSchemaInfo(static_argnum=7)
+    )(_strategy)
