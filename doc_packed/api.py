@@ -21,6 +21,17 @@ def _group_name(group: dist.ProcessGroup | str) -> tuple[str, int]:
     raise TypeError(f"cp_group must be a ProcessGroup or a group name, got {type(group).__name__}")
 
 
+def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """A plain ``cu_seqlens`` next to DTensor inputs describes the whole batch: replicate it."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(q, DTensor) and not isinstance(cu_seqlens, DTensor):
+        return DTensor.from_local(
+            cu_seqlens, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False
+        )
+    return cu_seqlens
+
+
 def doc_packed_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,6 +86,7 @@ def doc_packed_attn(
         )
     else:
         seq_len = local_len
+    cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = torch.ops.doc_packed.attn_fwd(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name
     )
