@@ -44,6 +44,10 @@ class DocLayout:
     def lengths(self) -> list[int]:
         return [e - s for row in self.rows for s, e in row]
 
+    def derived_get(self, key: Any) -> Any:
+        """The value memoised under ``key``, or None."""
+        return self._derived.get(key)
+
     def derived(self, key: Any, factory: Callable[[], _T]) -> _T:
         """Memoise ``factory()`` under ``key`` for the lifetime of this layout."""
         try:

@@ -77,3 +77,24 @@ def dtensor_parity(rank, world, mesh_shape, names, cases):
         )
         report.append((err, out_placements, tuple(grads[0].placements)))
     return report
+
+
+def mismatch(rank, world, kind):
+    """Each rank passes inputs that disagree in ``kind``; return the error each rank saw."""
+    S = 32
+    lengths = [[10, 22]] if (kind != "cu_seqlens" or rank == 0) else [[12, 20]]
+    cu = dp.cu_seqlens_from_lengths(lengths, S)
+    if kind == "invalid_on_one_rank" and rank == 1:
+        cu = cu.clone()
+        cu[0, 1] = 40
+    q, k, v, _ = _data(0, 1, S, 2, 2, 8)
+    causal = not (kind == "mask" and rank == 1)
+    local = S // world
+    sl = slice(rank * local, (rank + 1) * local)
+    if kind == "shard_length" and rank == 0:
+        sl = slice(0, local - 1)
+    try:
+        dp.doc_packed_attn(q[:, sl], k[:, sl], v[:, sl], cu, causal=causal, cp_group=dist.group.WORLD, seq_len=S)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -29,6 +29,7 @@ def _entry(rank, world_size, port, outdir, fn, args):
         result = fn(rank, world_size, *args)
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException:
         with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -52,7 +53,7 @@ def run_ranks(fn, world_size: int, *args):
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=300)
+            p.join(timeout=240)
         errors = []
         for r, p in enumerate(procs):
             if p.is_alive():

@@ -30,37 +30,46 @@ def get_exchange(
     q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int, causal: bool,
     left: int, right: int, group_name: str,
 ) -> RankExchange:
-    """This rank's exchange for the layout, built and cross-checked once per layout."""
+    """This rank's exchange for the layout, built and cross-checked once per layout.
+
+    Building is collective: every rank validates its inputs, then all ranks compare a
+    fingerprint of them (one all-gather) before any data moves, so a bad or mismatched input on
+    one rank raises ValueError on every rank instead of hanging or computing garbage.
+    """
     rank, size = comm.group_info(group_name)
     B, local_len, Hq, D = q.shape
     Hkv = k.shape[2]
-    start, end = owner_ranges(seq_len, size)[rank]
-    if local_len != end - start:
-        raise ValueError(
-            f"rank {rank} of the context-parallel group holds {local_len} tokens per row, but "
-            f"torch.chunk of seq_len={seq_len} over {size} ranks gives it {end - start}"
-        )
-    layout = get_layout(cu_seqlens, seq_len)
-    if layout.batch != B:
-        raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
-    query_cost = Hq / Hkv
-
-    def build() -> RankExchange:
-        comm.check_agreement(
-            group_name, q.device, "the context-parallel plan's inputs",
-            layout.rows, seq_len, size, causal, left, right, Hq, Hkv, D, str(q.dtype),
-        )
-        plan = layout.derived(
-            ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
-            lambda: build_plan(
-                layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE
-            ),
-        )
-        return build_exchange(plan, rank, q.device)
-
-    return layout.derived(
-        ("cp_exchange", group_name, rank, causal, left, right, Hq, Hkv, q.device), build
+    key = ("cp_exchange", group_name, rank, causal, left, right, Hq, Hkv, q.device)
+    error, layout = None, None
+    try:
+        layout = get_layout(cu_seqlens, seq_len)
+    except ValueError as e:
+        error = e
+    if layout is not None:
+        cached = layout.derived_get(key)
+        if cached is not None:
+            return cached
+        start, end = owner_ranges(seq_len, size)[rank]
+        if local_len != end - start:
+            error = ValueError(
+                f"rank {rank} of the context-parallel group holds {local_len} tokens per row, but "
+                f"torch.chunk of seq_len={seq_len} over {size} ranks gives it {end - start}"
+            )
+        elif layout.batch != B:
+            error = ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
+    comm.check_agreement(
+        group_name, q.device, "the context-parallel plan's inputs",
+        None if layout is None else layout.rows, seq_len, size, causal, left, right, Hq, Hkv, D,
+        str(q.dtype), local_error=error,
     )
+    query_cost = Hq / Hkv
+    plan = layout.derived(
+        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
+        lambda: build_plan(
+            layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE
+        ),
+    )
+    return layout.derived(key, lambda: build_exchange(plan, rank, q.device))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

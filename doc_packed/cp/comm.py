@@ -64,13 +64,28 @@ def fingerprint(*parts: object) -> torch.Tensor:
     return torch.tensor(struct.unpack("<qq", digest), dtype=torch.int64)
 
 
-def check_agreement(group_name: str, device: torch.device, what: str, *parts: object) -> None:
-    """Raise ValueError on every rank if the ranks of the group disagree on ``parts``."""
+def check_agreement(
+    group_name: str, device: torch.device, what: str, *parts: object,
+    local_error: Exception | None = None,
+) -> None:
+    """Raise ValueError on every rank if any rank has ``local_error`` or the ranks disagree.
+
+    One all-gather of three int64 words per rank (a fingerprint of ``parts`` and an error flag).
+    The rank whose own inputs were bad re-raises its error; the others name it.
+    """
     rank, size = group_info(group_name)
-    mine = fingerprint(*parts).to(device)
-    allfp = torch.ops._c10d_functional.all_gather_into_tensor(mine, size, group_name)
-    allfp = torch.ops._c10d_functional.wait_tensor(allfp).view(size, 2).cpu()
-    differ = [r for r in range(size) if not torch.equal(allfp[r], allfp[rank])]
+    mine = torch.cat([fingerprint(*parts), torch.tensor([int(local_error is not None)])])
+    got = torch.ops._c10d_functional.all_gather_into_tensor(mine.to(device), size, group_name)
+    got = torch.ops._c10d_functional.wait_tensor(got).view(size, 3).cpu()
+    if local_error is not None:
+        raise local_error
+    failed = [r for r in range(size) if got[r, 2] != 0]
+    if failed:
+        raise ValueError(
+            f"context-parallel ranks {failed} of this group rejected their inputs (see their "
+            "errors); no data was exchanged"
+        )
+    differ = [r for r in range(size) if not torch.equal(got[r, :2], got[rank, :2])]
     if differ:
         raise ValueError(
             f"context-parallel ranks disagree on {what}: rank {rank} differs from ranks {differ} "

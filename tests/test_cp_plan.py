@@ -1,0 +1,118 @@
+"""Context-parallel plan properties, checked against independent counts from the dense mask."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import doc_packed as dp
+from conftest import random_lengths
+from doc_packed.cp.exchange import build_exchange
+from oracle import dense_mask
+
+MASKS = [(True, (-1, -1)), (True, (6, 0)), (False, (-1, -1)), (False, (3, 5)), (False, (4, -1))]
+
+
+def independent_check(cu, S, c, causal, window, plan):
+    B = cu.shape[0]
+    cs = -(-S // c)
+    owned = [(min(r * cs, S), min((r + 1) * cs, S)) for r in range(c)]
+    masks = [dense_mask(cu[b].tolist(), S, causal, window) for b in range(B)]
+    covered = torch.zeros(B, S, dtype=torch.int64)
+    for r in range(c):
+        work, keys, moved = 0, set(), 0
+        for b, s, e in plan.q_ranges[r]:
+            assert 0 <= s < e <= S
+            covered[b, s:e] += 1
+            m = masks[b][s:e]
+            work += int(m.sum())
+            for p2 in m.any(0).nonzero().flatten().tolist():
+                keys.add((b, p2))
+            moved += sum(1 for p in range(s, e) if not owned[r][0] <= p < owned[r][1])
+        recv = {(b, p2) for b, p2 in keys if not owned[r][0] <= p2 < owned[r][1]}
+        assert plan.work[r] == work
+        assert plan.kv_recv_tokens[r] == len(recv)  # each needed key once, nothing else
+        assert plan.q_moved_tokens[r] == moved
+        ex = build_exchange(plan, r, torch.device("cpu"))
+        assert sum(ex.kv_recv_splits) == len(recv)
+        assert sum(ex.q_recv_splits) == moved
+    assert bool((covered == 1).all()), "every query computed exactly once"
+
+
+@pytest.mark.parametrize("causal,window", MASKS)
+@pytest.mark.parametrize("c", [1, 2, 3, 4, 7])
+def test_plan_exact_counts(rng, c, causal, window):
+    S = 97
+    cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S) for _ in range(2)] + [[S]], S, max_docs=S)
+    plan = dp.plan_context_parallel(cu, c, causal=causal, window_size=window)
+    independent_check(cu, S, c, causal, window, plan)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), S=st.integers(1, 150), c=st.integers(1, 6), mask=st.sampled_from(MASKS))
+def test_plan_property(data, S, c, mask):
+    rng = random.Random(data.draw(st.integers(0, 10**9)))
+    B = data.draw(st.integers(1, 3))
+    cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S) for _ in range(B)], S, max_docs=S)
+    plan = dp.plan_context_parallel(cu, c, causal=mask[0], window_size=mask[1])
+    independent_check(cu, S, c, mask[0], mask[1], plan)
+
+
+def lognormal_lengths(rng, S, mean, sigma=1.0):
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], S
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+@pytest.mark.parametrize("mean", [256, 1024, 4096])
+@pytest.mark.parametrize("c", [4, 8, 16])
+def test_plan_balance_and_traffic_on_realistic_layouts(c, mean):
+    rng = random.Random(c * 7919 + mean)
+    S = 32768
+    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(rng, S, mean) for _ in range(2)], S)
+    plan = dp.plan_context_parallel(cu, c)
+    assert plan.imbalance <= 1.10
+    # far less K/V than all-gather (2 rows x (S - S/c) tokens per rank)
+    all_gather = 2 * (S - S // c)
+    assert max(plan.kv_recv_tokens) < 0.5 * all_gather
+    assert sum(plan.work) == sum(
+        n * (n + 1) // 2 for b in range(2) for n in torch.tensor(cu[b].tolist()).diff().tolist()
+    )
+
+
+def test_single_long_document_is_balanced():
+    S = 65536
+    cu = dp.cu_seqlens_from_lengths([[S]], S)
+    for c in (2, 4, 8):
+        plan = dp.plan_context_parallel(cu, c)
+        assert plan.imbalance <= 1.02
+        # unbalanced contiguous shards would be 2c/(c+1) off
+        assert 2 * c / (c + 1) > 1.3
+
+
+def test_plan_is_cached_and_immutable(rng):
+    S = 64
+    cu = dp.cu_seqlens_from_lengths([[30, 34]], S)
+    a = dp.plan_context_parallel(cu, 4)
+    b = dp.plan_context_parallel(cu, 4)
+    assert a is b
+    with pytest.raises(Exception):
+        a.work = (0,)
+    assert isinstance(a.q_ranges, tuple) and isinstance(a.q_ranges[0], tuple)
+
+
+def test_plan_argument_errors():
+    cu = dp.cu_seqlens_from_lengths([[30, 34]], 64)
+    with pytest.raises(ValueError, match="cp_size"):
+        dp.plan_context_parallel(cu, 0)
+    with pytest.raises(ValueError, match="causal=True"):
+        dp.plan_context_parallel(cu, 2, window_size=(3, 3))
+    with pytest.raises(ValueError, match="must start at 0"):
+        dp.plan_context_parallel(torch.tensor([[1, 64]], dtype=torch.int32), 2)

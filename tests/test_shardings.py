@@ -1,0 +1,122 @@
+"""Sharding strategies: the exact sets offered, and eager DTensor execution on gloo ranks."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_cases import dtensor_parity
+from dist_utils import run_ranks
+
+R, B, H, Q = "replicate", "batch", "heads", "sequence"
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+
+    from shardings.strategies import kind_of
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    rep = (Replicate(),) * mesh.ndim
+
+    def strat(shape, dtype=torch.float32):
+        t = torch.empty(shape, device="meta", dtype=dtype)
+        return OpStrategy([OpSpec(DTensorSpec(mesh, rep, tensor_meta=TensorMeta(t.shape, t.stride(), dtype)))])
+
+    q, kv = strat((B_, S, Hq, 8)), strat((B_, S, Hkv, 8))
+    cu = strat((B_, 5), torch.int32)
+    flags = (True, -1, 0, 1.0, "auto", None)
+    if op == "fwd":
+        o = torch.ops.doc_packed.attn_fwd.default
+        args = (q, kv, kv, cu, S, *flags)
+    else:
+        o = torch.ops.doc_packed.attn_bwd.default
+        args = (q, q, kv, kv, q, strat((B_, Hq, S)), cu, S, *flags)
+    result = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs[o](OpSchema(o, args, {}))
+    q_pos = 0 if op == "fwd" else 1
+    return {kind_of(s.input_specs[q_pos].placements) for s in result.strategies}, result
+
+
+def test_enumeration_1d(fake_world):
+    got, _ = offered((8,), 8, 64, 8, 8)
+    assert got == {(R,), (B,), (H,), (Q,)}
+    got, _ = offered((8,), 4, 64, 8, 8)  # batch 4 does not split 8 ways
+    assert got == {(R,), (H,), (Q,)}
+    got, _ = offered((8,), 8, 60, 16, 4)  # GQA: 4 kv heads do not split 8 ways; 60 % 8 != 0
+    assert got == {(R,), (B,)}
+
+
+def test_enumeration_2d(fake_world):
+    got, _ = offered((2, 4), 2, 64, 8, 4)
+    kinds = (R, B, H, Q)
+    expected = {
+        (a, b) for a, b in itertools.product(kinds, kinds)
+        if not (a == b == Q) and not (a == b == B)  # seq on one dim at most; B=2 splits 2 ways only
+        and not (a == B and b == B) and not (b == B)  # batch 2 cannot split 4 ways
+        and not (a == H and b == H)  # 4 kv heads cannot split 8 ways
+    }
+    assert got == expected
+    got, _ = offered((2, 2), 4, 16, 4, 1)  # MQA: heads never offered
+    assert got == {(a, b) for a, b in itertools.product((R, B, Q), repeat=2) if not (a == b == Q)}
+
+
+def test_enumeration_3d_and_backward(fake_world):
+    for op in ("fwd", "bwd"):
+        got, res = offered((2, 2, 2), 2, 32, 4, 2, op=op)
+        assert (B, Q, H) in got and (Q, H, B) in got and (B, H, Q) in got
+        assert all(k.count(Q) <= 1 for k in got)
+        assert all(k.count(B) <= 1 for k in got)  # B=2
+        assert all(k.count(H) <= 1 for k in got)  # Hkv=2
+        # one redistribution-cost row per tensor input, one entry per candidate input spec
+        n_inputs = 4 if op == "fwd" else 7
+        assert all(len(s.redistribute_cost) == n_inputs for s in res.strategies)
+    # lse placement follows the kind: heads -> dim 1, sequence -> dim 2
+    _, res = offered((2,), 2, 32, 4, 2)
+    from torch.distributed.tensor import Shard
+
+    by_kind = {s.input_specs[0].placements[0]: s.output_specs[1].placements[0] for s in res.strategies}
+    assert by_kind[Shard(2)] == Shard(1) and by_kind[Shard(1)] == Shard(2) and by_kind[Shard(0)] == Shard(0)
+
+
+def _placements(*names):
+    from torch.distributed.tensor import Replicate, Shard
+
+    m = {"R": Replicate(), "B": Shard(0), "S": Shard(1), "H": Shard(2)}
+    return tuple(m[n] for n in names)
+
+
+BASE = dict(lengths=[[40, 3, 1, 20], [64]], S=64, Hq=4, Hkv=2, D=8)
+
+
+def test_dtensor_execution_world2_1d():
+    cases = [
+        dict(BASE, causal=c, window=w, placements=_placements(p))
+        for p in "RBHS"
+        for c, w in [(True, (-1, -1)), (False, (5, 3))]
+    ]
+    for rank_report in run_ranks(dtensor_parity, 2, (2,), ("x",), cases):
+        for case, (err, out_pl, grad_pl) in zip(cases, rank_report):
+            assert err < 1e-10
+            assert out_pl == case["placements"] and grad_pl == case["placements"]
+
+
+def test_dtensor_execution_world4_2d():
+    combos = ["BH", "HB", "BS", "SB", "SH", "HS", "RS", "SR", "BR", "RH"]
+    cases = [dict(BASE, causal=True, window=(7, 0), placements=_placements(*c)) for c in combos]
+    for rank_report in run_ranks(dtensor_parity, 4, (2, 2), ("a", "b"), cases):
+        for case, (err, out_pl, grad_pl) in zip(cases, rank_report):
+            assert err < 1e-10
+            assert out_pl == case["placements"] and grad_pl == case["placements"]
