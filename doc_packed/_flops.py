@@ -11,8 +11,10 @@ tracing -- the values are unknown and every row is assumed to hold documents of
 sequence-sharded call (``q.shape[1] < seq_len``) counts ``1/c`` of the row's work, which is what
 the balanced context-parallel plan gives each rank.
 
-Planning-only costs (the context-parallel exchange) are added by a hook that
-:mod:`shardings.costs` installs; it sees exactly the arguments the formula sees.
+Planning-only costs (the context-parallel exchange and the plan's imbalance) are added by a
+hook that :mod:`shardings.costs` installs. It only acts on a sequence-shard call that has no
+group yet -- which only happens while a solver prices strategies -- so real runs count real
+FLOPs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from ._mask import doc_pairs
 
 _planning_doc_len: int | None = None
 
-# (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward) -> extra FLOP-equivalents
-planning_cost_hook: Callable[..., float] | None = None
+# (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops) -> planned flops
+planning_cost_hook: Callable[..., int] | None = None
 
 
 def set_planning_doc_len(mean_doc_len: int | None) -> None:
@@ -89,9 +91,7 @@ def attention_flops(
         cp = -(-seq_len // S_local)
         flops = -(-flops // cp)
         if cp_group is None and planning_cost_hook is not None:
-            flops += int(
-                planning_cost_hook(
-                    tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward
-                )
+            flops = planning_cost_hook(
+                tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops
             )
     return int(flops)

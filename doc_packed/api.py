@@ -60,7 +60,7 @@ def doc_packed_attn(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
             float64 inputs, natural log). Gradients through it are supported.
-        backend: ``"auto"``, ``"flash"``, ``"flex"`` or ``"math"`` (see
+        backend: ``"auto"``, ``"flash"`` or ``"math"`` (see
             :mod:`doc_packed.kernels`).
         cp_group: run context-parallel over this group: ``q/k/v`` are this rank's
             ``torch.chunk`` of the sequence dim, ``cu_seqlens`` is the whole rows' layout.

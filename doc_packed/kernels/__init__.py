@@ -2,7 +2,6 @@
 
 Backends:
 - ``"flash"``: torch's flash varlen kernel (CUDA, fp16/bf16, head dim % 8 == 0 and <= 256).
-- ``"flex"``: flex_attention with a document block mask (CUDA; see :mod:`.flex`).
 - ``"math"``: exact blockwise plain-torch kernel (any device and dtype; the CPU path).
 - ``"auto"``: the fastest backend that takes the input (see :func:`resolve`).
 """
@@ -16,7 +15,7 @@ from .spec import VarlenSpec
 
 __all__ = ["VarlenSpec", "BACKENDS", "resolve", "forward", "backward"]
 
-BACKENDS = ("auto", "flash", "flex", "math")
+BACKENDS = ("auto", "flash", "math")
 
 
 def resolve(backend: str, q: torch.Tensor) -> str:
@@ -30,25 +29,11 @@ def resolve(backend: str, q: torch.Tensor) -> str:
             f"backend='flash' needs a CUDA tensor of float16/bfloat16 with head dim % 8 == 0 "
             f"and <= 256; got {q.device.type} {q.dtype} with head dim {q.shape[-1]}"
         )
-    if backend == "flex":
-        from . import flex
-
-        if not flex.supports(q):
-            raise ValueError(
-                f"backend='flex' needs a CUDA tensor of float16/bfloat16/float32; got "
-                f"{q.device.type} {q.dtype}"
-            )
     return backend
 
 
 def _module(name: str):
-    if name == "flash":
-        return flash
-    if name == "flex":
-        from . import flex
-
-        return flex
-    return blockwise
+    return flash if name == "flash" else blockwise
 
 
 def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):

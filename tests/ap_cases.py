@@ -1,0 +1,104 @@
+"""Rank bodies for the AutoParallel end-to-end tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import torch
+import torch.distributed as dist
+
+import doc_packed as dp
+from models import Transformer
+
+
+def _batch(seed, B, S, vocab, lengths):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (B, S), generator=g)
+    targets = torch.randint(0, vocab, (B, S), generator=g)
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=16)
+    return tokens, targets, cu
+
+
+def _shard(t, mesh, placements):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, mesh, placements).to_local()
+
+
+def reference_training(cfg, batches, lr, steps):
+    torch.manual_seed(0)
+    model = Transformer(**cfg).double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tokens, targets, cu = batches[step]
+        logits = model(tokens, cu)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return state, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, steps, lr, doc_len_hint, force=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from autoparallel.api import AutoParallel
+
+    from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+
+    pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
+    tok_pl = tuple(pl[c] for c in in_pl)
+    cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
+    o_pl = tuple(pl[c] for c in out_pl)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    B, S, lengths = batch_cfg["B"], batch_cfg["S"], batch_cfg["lengths"]
+    batches = [_batch(100 + s, B, S, cfg["vocab"], lengths[s % len(lengths)]) for s in range(steps)]
+    init_state, ref_losses, ref_final = reference_training(cfg, batches, lr, steps)
+
+    def input_fn():
+        return (torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 17, dtype=torch.int32))
+
+    dp.set_planning_doc_len(doc_len_hint)
+    with torch.device("meta"):
+        model = Transformer(**cfg).double()
+    with patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True):
+        with AutoParallel(model, input_fn, mesh) as autop:
+            autop.add_input_constraints([tok_pl, cu_pl])
+            autop.add_output_constraints([o_pl])
+            if force:
+                force_attention_layout(autop, force)
+            placement = autop.optimize_placement()
+            placement = lower_context_parallel(autop, placement)
+            choices = describe_attention(autop, placement, cu_seqlens=batches[0][2], print_report=False)
+            parallel = autop.apply_placement(placement)
+    parallel.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in parallel.named_parameters():
+            p.to_local().copy_(distribute_tensor(init_state[name], mesh, p.placements).to_local())
+    opt = torch.optim.SGD(parallel.parameters(), lr=lr)
+    replicas = 1
+    for d, p in enumerate(o_pl):
+        if not p.is_shard():
+            replicas *= mesh.size(d)
+    losses = []
+    for step in range(steps):
+        tokens, targets, cu = batches[step]
+        logits = parallel(_shard(tokens, mesh, tok_pl), _shard(cu, mesh, cu_pl))
+        local_t = _shard(targets, mesh, tuple(Shard(p.dim) if p.is_shard() else Replicate() for p in o_pl))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local_t.flatten(), reduction="sum") / targets.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / replicas)
+    final = {name: p.full_tensor() for name, p in parallel.named_parameters()}
+    param_err = max((final[k] - ref_final[k]).abs().max().item() for k in final)
+    loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    return dict(
+        losses=losses, ref_losses=ref_losses, param_err=param_err, loss_err=loss_err,
+        layout=[(c.role, c.layout) for c in choices], choices=[str(c) for c in choices],
+    )

@@ -1,0 +1,56 @@
+"""A small Llama-like transformer calling doc_packed_attn (used by tests, the demo and benches)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import doc_packed as dp
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, window: tuple[int, int] = (-1, -1)):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.window = window
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
+        o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window)
+        return self.wo(o.reshape(B, S, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, window=(-1, -1)):
+        super().__init__()
+        self.attn = Attention(dim, n_heads, n_kv_heads, window)
+        self.w1 = nn.Linear(dim, 4 * dim, bias=False)
+        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+        self.n1 = nn.RMSNorm(dim)
+        self.n2 = nn.RMSNorm(dim)
+
+    def forward(self, x, cu_seqlens):
+        x = x + self.attn(self.n1(x), cu_seqlens)
+        return x + self.w2(torch.nn.functional.silu(self.w1(self.n2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, window=(-1, -1)):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Block(dim, n_heads, n_kv_heads, window) for _ in range(n_layers)])
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens)
+        return self.out(self.norm(x))
