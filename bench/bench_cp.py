@@ -1,0 +1,271 @@
+"""Context-parallel attention on 2+ GPUs against one GPU and an all-gather-K/V baseline.
+
+Spawns one process per GPU (NCCL). For each layout and sequence length it times attention
+forward+backward (and forward alone) of:
+- ``1 GPU``: doc_packed_attn on the whole rows, on one GPU;
+- ``ours``: doc_packed_attn with ``cp_group`` (plan + AllToAll-V exchange), each rank holding
+  its torch.chunk of the sequence;
+- ``all-gather``: the common baseline (torch CP / torchtitan style): head-tail (zigzag)
+  sharding of each row into 2c chunks for balance, K and V all-gathered before the local flash
+  call, dK/dV reduce-scattered after; written in this script.
+It reports per-rank bytes received per layer (forward), speedups over one GPU, the plan's
+balance, and bf16 parity of our CP output and gradients against the one-GPU op.
+
+Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import doc_packed as dp
+from doc_packed import kernels
+from doc_packed.kernels import VarlenSpec
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+BACKEND = "flash"  # --cpu-dry-run switches to the exact CPU kernel, gloo and float32
+
+
+def lognormal_lengths(S: int, mean: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], S
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Mean wall milliseconds per call, all ranks in step (barrier + sync around)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync()
+    if dist.is_initialized():
+        dist.barrier()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+# ----------------------------------------------------------------------- all-gather baseline
+
+
+def zigzag_ranges(S: int, c: int, r: int) -> list[tuple[int, int]]:
+    n = S // (2 * c)
+    return [(r * n, (r + 1) * n), ((2 * c - 1 - r) * n, (2 * c - r) * n)]
+
+
+def allgather_spec(lengths: list[int], S: int, c: int, r: int) -> tuple[VarlenSpec, torch.Tensor]:
+    """Segments of this rank's zigzag chunks against their causal doc prefixes in the full row."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu_q, cu_k, kidx = [0], [0], []
+    for a, e in zigzag_ranges(S, c, r):
+        for ds, de in zip(bounds[:-1], bounds[1:]):
+            s, t = max(a, ds), min(e, de)
+            if s < t:
+                cu_q.append(cu_q[-1] + t - s)
+                cu_k.append(cu_k[-1] + t - ds)
+                kidx.append(torch.arange(ds, t))
+    return VarlenSpec(cu_q, cu_k, True, -1, 0), torch.cat(kidx)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, kidx, order):
+        c = dist.get_world_size()
+        kv = torch.cat([k, v], -1)
+        full = torch.empty((c * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        dist.all_gather_into_tensor(full, kv)
+        full = full[order]  # zigzag chunks back into sequence order
+        kb, vb = full[kidx, :, :D], full[kidx, :, D:]
+        out, lse = kernels.forward(spec, q, kb.contiguous(), vb.contiguous(), D**-0.5, BACKEND)
+        ctx.save_for_backward(q, k, v, out, lse, kidx, order)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, kidx, order = ctx.saved_tensors
+        c = dist.get_world_size()
+        kv = torch.cat([k, v], -1)
+        full = torch.empty((c * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        dist.all_gather_into_tensor(full, kv)  # fetched again, as the CP op does
+        full = full[order]
+        kb, vb = full[kidx, :, :D].contiguous(), full[kidx, :, D:].contiguous()
+        dq, dk, dv = kernels.backward(ctx.spec, dout.contiguous(), q, kb, vb, out, lse, D**-0.5, BACKEND)
+        dfull = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
+        dfull.index_add_(0, kidx, torch.cat([dk, dv], -1).float())
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        dfull = dfull[inv].to(q.dtype)  # back to the gathered (rank-major) order
+        mine = torch.empty_like(kv)
+        dist.reduce_scatter_tensor(mine, dfull)
+        return dq, mine[..., :D].contiguous(), mine[..., D:].contiguous(), None, None, None
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | None, quick: bool, dry: bool):
+    global BACKEND, DTYPE, HQ, HKV, D
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if dry:
+        BACKEND, DTYPE, HQ, HKV, D = "math", torch.float32, 4, 2, 16
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    rows = []
+    for S in sizes:
+        for name, lengths in (("one doc", [S]), ("lognormal 2k", lognormal_lengths(S, 2048, seed=S))):
+            big = S >= 131072 and name == "one doc"
+            warm, iters = (1, 2) if big or quick else (2, 5)
+            g = torch.Generator(device=dev).manual_seed(1)
+            q = torch.randn(1, S, HQ, D, device=dev, dtype=DTYPE, generator=g)
+            k = torch.randn(1, S, HKV, D, device=dev, dtype=DTYPE, generator=g)
+            v = torch.randn(1, S, HKV, D, device=dev, dtype=DTYPE, generator=g)
+            dout = torch.randn(q.shape, device=dev, dtype=DTYPE, generator=g)
+            cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(dev)
+            chunk = S // world
+            sl = slice(rank * chunk, (rank + 1) * chunk)
+
+            def one_gpu(grad=True):
+                if not grad:
+                    with torch.no_grad():
+                        return dp.doc_packed_attn(q, k, v, cu)
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                o = dp.doc_packed_attn(qq, kk, vv, cu)
+                o.backward(dout)
+                return o, qq.grad, kk.grad, vv.grad
+
+            def ours(grad=True):
+                lq, lk, lv = (t[:, sl].detach().requires_grad_(grad) for t in (q, k, v))
+                if not grad:
+                    with torch.no_grad():
+                        return dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
+                o = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
+                o.backward(dout[:, sl])
+                return o, lq.grad, lk.grad, lv.grad
+
+            spec, kidx = allgather_spec(lengths, S, world, rank)
+            kidx = kidx.to(dev)
+            zz = zigzag_ranges(S, world, rank)
+            n = S // (2 * world)
+            # gathered layout is rank-major [r: chunk r, chunk 2c-1-r]; map sequence pos -> row
+            pos_of = torch.empty(S, dtype=torch.long)
+            for r in range(world):
+                for j, (a, e) in enumerate(zigzag_ranges(S, world, r)):
+                    pos_of[a:e] = torch.arange(e - a) + r * 2 * n + j * n
+            order = pos_of.to(dev)
+            zq = torch.cat([q[0, a:e] for a, e in zz])
+            zk = torch.cat([k[0, a:e] for a, e in zz])
+            zv = torch.cat([v[0, a:e] for a, e in zz])
+            zdout = torch.cat([dout[0, a:e] for a, e in zz])
+
+            def allgather(grad=True):
+                aq, ak, av = (t.detach().requires_grad_(grad) for t in (zq, zk, zv))
+                if not grad:
+                    with torch.no_grad():
+                        return AllGatherAttention.apply(aq, ak, av, spec, kidx, order)
+                o = AllGatherAttention.apply(aq, ak, av, spec, kidx, order)
+                o.backward(zdout)
+                return o
+
+            res = {"S": S, "layout": name, "docs": len(lengths), "gpus": world}
+            # every rank times the whole problem on its own GPU (they run side by side)
+            res["one_gpu"] = {"fwd_ms": time_ms(lambda: one_gpu(False), warm, iters), "fwdbwd_ms": time_ms(lambda: one_gpu(True), warm, iters)}
+            res["ours"] = {"fwd_ms": time_ms(lambda: ours(False), warm, iters), "fwdbwd_ms": time_ms(lambda: ours(True), warm, iters)}
+            res["allgather"] = {"fwd_ms": time_ms(lambda: allgather(False), warm, iters), "fwdbwd_ms": time_ms(lambda: allgather(True), warm, iters)}
+            plan = dp.plan_context_parallel(cu.cpu(), world, query_cost=HQ / HKV)
+            kv_bytes = 2 * HKV * D * 2
+            res["ours"]["recv_MB_fwd"] = (max(plan.kv_recv_tokens) * kv_bytes + max(plan.q_moved_tokens) * (HQ * D * 2 * 2 + HQ * 4)) / 2**20
+            res["allgather"]["recv_MB_fwd"] = (S - S // world) * kv_bytes / 2**20
+            res["plan"] = {"imbalance": plan.imbalance, "kv_recv_tokens": list(plan.kv_recv_tokens), "q_moved_tokens": list(plan.q_moved_tokens)}
+            # parity: our CP output and grads vs the one-GPU op (bf16 both)
+            ref = one_gpu(True)
+            got = ours(True)
+            rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+            res["parity_rel"] = {
+                "out": rel(got[0], ref[0][:, sl]),
+                "dq": rel(got[1], ref[1][:, sl]),
+                "dk": rel(got[2], ref[2][:, sl]),
+                "dv": rel(got[3], ref[3][:, sl]),
+            }
+            # the all-gather baseline must agree with the one-GPU op too
+            ag = allgather(True)
+            full_out = torch.empty(S, HQ, D, dtype=ag.dtype, device=dev)
+            for (a, e), piece in zip(zz, ag.detach().split(n)):
+                full_out[a:e] = piece
+            res["parity_rel"]["allgather_out"] = max(
+                rel(full_out[a:e], ref[0][0, a:e]) for a, e in zz
+            )
+            del ref, got, ag
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if rank == 0:
+                print(json.dumps(res), flush=True)
+                rows.append(res)
+    if rank == 0:
+        device = "CPU dry run" if dry else f"{world} x {torch.cuda.get_device_name()}"
+        print(f"\ndevice: {device}  torch {torch.__version__}  {DTYPE} Hq={HQ} Hkv={HKV} D={D} B=1")
+        print("| S | layout | 1 GPU f+b ms | ours f+b ms | speedup | all-gather f+b ms | speedup | ours/all-gather | ours MB in | all-gather MB in | imbalance | max rel err |")
+        print("|" + "---|" * 12)
+        for r in rows:
+            o, a, s1 = r["ours"], r["allgather"], r["one_gpu"]
+            print(
+                f"| {r['S'] // 1024}k | {r['layout']} | {s1['fwdbwd_ms']:.1f} | {o['fwdbwd_ms']:.1f} | "
+                f"{s1['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {a['fwdbwd_ms']:.1f} | {s1['fwdbwd_ms'] / a['fwdbwd_ms']:.2f}x | "
+                f"{a['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {o['recv_MB_fwd']:.0f} | {a['recv_MB_fwd']:.0f} | "
+                f"{r['plan']['imbalance']:.3f} | {max(r['parity_rel'].values()):.1e} |"
+            )
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--sizes", default="65536,131072,262144")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU/gloo: checks the script")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run), nprocs=args.gpus)
+
+
+if __name__ == "__main__":
+    main()

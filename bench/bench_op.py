@@ -1,0 +1,185 @@
+"""doc_packed_attn against the raw kernels it competes with, on one GPU.
+
+For each layout, times forward and forward+backward of:
+- ``varlen``: torch.nn.attention.varlen.varlen_attn on pre-flattened tensors with offsets and
+  max length computed outside the timed region (the raw kernel, no wrapper);
+- ``flex``: torch.compile(flex_attention) with a document-causal BlockMask built outside the
+  timed region (its build time is reported separately);
+- ``ours``: doc_packed.doc_packed_attn on [B, S, H, D] with the [B, MAX_DOCS + 1] cu_seqlens.
+
+TFLOP/s use causal FLOPs: forward ``4 * pairs * Hq * D``, forward+backward 3.5x that
+(flash-attention's convention), pairs = visible (query, key) pairs. The last column is ours
+over the faster raw kernel. Usage: ``python bench/bench_op.py [--quick] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import random
+import time
+
+import torch
+
+import doc_packed as dp
+from doc_packed._mask import doc_pairs
+
+
+def lognormal_lengths(S: int, mean: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], S
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+def layouts(S: int) -> dict[str, list[int]]:
+    return {
+        "one doc": [S],
+        "uniform 2k": [2048] * (S // 2048),
+        "lognormal 1.4k": lognormal_lengths(S, 1400),
+    }
+
+
+def bench(fn, warmup=3, iters=10) -> float:
+    """Median milliseconds of ``fn`` timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def raw_varlen(q, k, v, cu, max_len):
+    from torch.nn.attention.varlen import varlen_attn
+
+    kw = {"window_size": (-1, 0)}
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def flex_setup(S, lengths, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    block_mask = create_block_mask(mask_mod, None, None, S, S, device=device)
+    torch.cuda.synchronize()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    compiled = torch.compile(flex_attention)
+    return compiled, block_mask, build_ms
+
+
+def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.bfloat16):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, S, Hq, D, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(1, S, Hkv, D, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(1, S, Hkv, D, device=dev, dtype=dtype, generator=g)
+    dout = torch.randn(q.shape, device=dev, dtype=dtype, generator=g)
+    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(dev)
+    flat_cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), device=dev, dtype=torch.int32)
+    pairs = sum(doc_pairs(n, True, -1, 0) for n in lengths)
+    fwd_flop = 4 * pairs * Hq * D
+    res = {"S": S, "layout": name, "docs": len(lengths)}
+
+    def timed(make, grad: bool):
+        if not grad:
+            with torch.no_grad():
+                f = make(q, k, v)
+                return bench(f)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        f = make(qq, kk, vv)
+
+        def step():
+            out = f()
+            torch.autograd.backward(out, dout.view_as(out))
+
+        return bench(step)
+
+    # raw varlen on [T, H, D]
+    mk_raw = lambda a, b, c: raw_varlen(a.view(S, Hq, D), b.view(S, Hkv, D), c.view(S, Hkv, D), flat_cu, max(lengths))  # noqa: E731
+    mk_ours = lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu))  # noqa: E731
+    compiled, block_mask, build_ms = flex_setup(S, lengths, dev)
+    res["blockmask_build_ms"] = build_ms
+    mk_flex = lambda a, b, c: (  # noqa: E731
+        lambda: compiled(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), block_mask=block_mask, enable_gqa=True)
+    )
+    for label, mk in (("varlen", mk_raw), ("flex", mk_flex), ("ours", mk_ours)):
+        try:
+            f_ms = timed(mk, False)
+            fb_ms = timed(mk, True)
+        except Exception as e:  # report, keep going
+            res[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        res[label] = {
+            "fwd_ms": f_ms,
+            "fwdbwd_ms": fb_ms,
+            "fwd_tflops": fwd_flop / f_ms / 1e9,
+            "fwdbwd_tflops": 3.5 * fwd_flop / fb_ms / 1e9,
+        }
+    return res
+
+
+def table(rows) -> str:
+    hdr = (
+        "| S | layout | varlen fwd | flex fwd | ours fwd | ours/best fwd | varlen f+b | flex f+b | "
+        "ours f+b | ours/best f+b | blockmask ms |\n|" + "---|" * 11
+    )
+    lines = [hdr]
+    for r in rows:
+        def get(label, key):
+            return r.get(label, {}).get(key, float("nan"))
+
+        cells = [f"{r['S'] // 1024}k", r["layout"]]
+        for key in ("fwd_tflops", "fwdbwd_tflops"):
+            vals = [get(lbl, key) for lbl in ("varlen", "flex", "ours")]
+            best = max(x for x in vals[:2] if not math.isnan(x)) if not all(math.isnan(x) for x in vals[:2]) else float("nan")
+            cells += [f"{x:.0f}" for x in vals] + [f"{vals[2] / best:.2f}x"]
+        cells.append(f"{r['blockmask_build_ms']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16k only")
+    ap.add_argument("--json", default=None, help="write raw results here")
+    args = ap.parse_args()
+    sizes = [16384] if args.quick else [16384, 65536]
+    rows = []
+    for S in sizes:
+        for name, lengths in layouts(S).items():
+            rows.append(run(S, name, lengths))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\ndevice: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 Hq=32 Hkv=8 D=128 B=1")
+    print("TFLOP/s (causal FLOPs); ours/best = ours over the faster of varlen and flex\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
