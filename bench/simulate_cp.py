@@ -43,9 +43,13 @@ Step-time model, attention only, per layer, forward + backward, no compute/comm 
 (4*Hq*D flops per pair forward, backward 2.5x forward; max work and max bytes over ranks.)
 All-gather is shown twice: with its row-level head-tail split (exact work, what torch CP does
 on a packed row) and perfectly balanced (e.g. per-document zigzag, which needs every document
-length % 2c == 0). Ulysses computes total/c pairs per rank. One GPU (pure DP, no CP) computes all T tokens with no traffic; speedup = t_1 / t_c.
+length % 2c == 0). Ulysses computes total/c pairs per rank. One GPU (pure DP, no CP) computes
+all T tokens with no traffic; speedup = t_1 / t_c.
 The constants below come from ../shared/notes/landscape.md (one H200, torch 2.11 varlen,
 2 GPUs over NCCL) and are overridable with --tflops / --a2a-gbps / --ag-gbps.
+
+Planner time: ``build_plan``'s process CPU time, median of --repeats runs, one torch thread;
+growth exponents are log-log slopes of time vs T (fixed c) and vs c (fixed T).
 
 Usage:
     python bench/simulate_cp.py --quick              # reduced grid, < 1 minute
@@ -210,7 +214,7 @@ def minheap_assign(layout: DocLayout, c: int, masks: list[RowMask]) -> Assignmen
     work = [0] * c
     mine: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for w, b, a, e in chunks:
-        load, r = heapq.heappop(heap)
+        _, r = heapq.heappop(heap)
         work[r] += w
         count[r] += 1
         mine[r].append((b, a, e))
@@ -314,7 +318,9 @@ def time_plan(layout: DocLayout, c: int, repeats: int, query_cost: float, tolera
     gc.collect()  # the previous points' garbage is not collected inside the timed calls
     for i in range(repeats):
         t0 = time.process_time()
-        plan = build_plan(layout, c, CAUSAL, LEFT, RIGHT, query_cost=query_cost, tolerance=tolerance)
+        plan = build_plan(
+            layout, c, CAUSAL, LEFT, RIGHT, query_cost=query_cost, tolerance=tolerance
+        )
         times.append(time.process_time() - t0)
         if i == 0 and times[0] > 1.0:
             break
@@ -409,14 +415,14 @@ def traffic_table(res: list[dict]) -> str:
     rows = []
     for r in res:
         rows.append([
-            r["dist"], _tok(r["T"]), r["c"], f"{r['imb']:.3f}", f"{r['heap_imb']:.3f}",
+            r["dist"], _tok(r["T"]), r["docs"], r["c"], f"{r['imb']:.3f}", f"{r['heap_imb']:.3f}",
             r["kv_max"], f"{r['kv_mean']:.0f}", r["q_max"], r["heap_kv_max"], r["kv_lb"],
             _mb(r["ours_kv_bytes"]), _mb(r["ours_bytes"]), _mb(r["heap_bytes"]),
             _mb(r["ag_bytes"]), _mb(r["uly_bytes"]),
             f"{100 * r['ours_kv_bytes'] / r['ag_bytes']:.1f}%",
         ])
     return table(
-        ["dist", "T", "cp", "imb ours", "imb heap", "kv max", "kv mean", "q moved max",
+        ["dist", "T", "docs", "cp", "imb ours", "imb heap", "kv max", "kv mean", "q moved max",
          "heap kv max", "kv LB", "ours K/V MB", "ours MB", "heap MB", "all-gather MB", "Ulysses MB",
          "ours K/V / AG"], rows)
 
@@ -425,11 +431,11 @@ def summary_table(res: list[dict], c: int) -> str:
     """The goal's view: one row per (distribution, T) at one CP size."""
     rows = []
     for r in (r for r in res if r["c"] == c):
-        kvb = r["ours_kv_bytes"]
+        kvb, heap = r["ours_kv_bytes"], r["heap_kv_bytes"]
+        lb = f"{100 * r['kv_lb'] / r['kv_max']:.0f}%" if r["kv_max"] else "-"
         rows.append([
-            r["dist"], _tok(r["T"]), _mb(kvb), _mb(r["heap_kv_bytes"]), _mb(r["ag_bytes"]),
-            f"{100 * kvb / r['ag_bytes']:.1f}%", f"{100 * r['kv_lb'] / r['kv_max']:.0f}%"
-            if r["kv_max"] else "-", f"{kvb / r['heap_kv_bytes']:.2f}" if r["heap_kv_bytes"] else "-",
+            r["dist"], _tok(r["T"]), _mb(kvb), _mb(heap), _mb(r["ag_bytes"]),
+            f"{100 * kvb / r['ag_bytes']:.1f}%", lb, f"{kvb / heap:.2f}" if heap else "-",
             f"{r['imb']:.3f}", f"{r['heap_imb']:.3f}",
         ])
     return table(["dist", "T", "ours K/V MB", "min-heap K/V MB", "all-gather MB", "ours / AG",
@@ -480,8 +486,12 @@ def slope_table(by_tokens, by_cp) -> str:
 
 def step_table(res: list[dict]) -> str:
     rows = []
-    ms = lambda s: "n/a" if math.isnan(s) else f"{s * 1e3:.2f}"  # noqa: E731
-    sp = lambda r, k: "n/a" if math.isnan(r["step"][k]) else f"{r['t1'] / r['step'][k]:.1f}"  # noqa: E731
+    def ms(s):
+        return "n/a" if math.isnan(s) else f"{s * 1e3:.2f}"
+
+    def sp(r, k):
+        return "n/a" if math.isnan(r["step"][k]) else f"{r['t1'] / r['step'][k]:.1f}"
+
     for r in res:
         st = r["step"]
         rows.append([
@@ -617,7 +627,8 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
     paths.append(_save(fig, out_dir, "sim_imbalance.png"))
 
     # (c) planner time vs tokens
-    pdists = [d for d in ("lognormal-512", "powerlaw", "one-doc") if any(r["dist"] == d for r in res)]
+    pdists = [d for d in ("lognormal-512", "powerlaw", "one-doc")
+              if any(r["dist"] == d for r in res)]
     fig, axes = plt.subplots(1, len(pdists), figsize=(5 * len(pdists), 4.5), sharey=True,
                              squeeze=False)
     for ax, dist in zip(axes[0], pdists):
@@ -626,6 +637,11 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
             pts = sorted((r["T"], r["plan_s"] * 1e3) for r in rs if r["c"] == c)
             if len(pts) >= 2:
                 ax.plot(*zip(*pts), "-o", ms=4, label=f"cp {c}")
+        ref = sorted((r["T"], r["plan_s"] * 1e3) for r in rs if r["c"] == min(r["c"] for r in rs))
+        if ref:
+            t0, y0 = ref[0]
+            ts = sorted({r["T"] for r in rs})
+            ax.plot(ts, [y0 * t / t0 for t in ts], "k--", lw=0.8, alpha=0.5, label="linear")
         ax.axhline(10, color="red", lw=0.8, ls=":", label="10 ms")
         ax.set_xscale("log", base=2)
         ticks = sorted({r["T"] for r in rs})
@@ -634,7 +650,7 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
         ax.set_xlabel("tokens per CP group")
         ax.set_title(dist)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("build_plan ms (median, 1 thread)")
+    axes[0][0].set_ylabel("build_plan CPU ms (median, 1 thread)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("(c) planner CPU time vs tokens")
     fig.tight_layout()
@@ -683,18 +699,20 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     by_tokens, by_cp = slopes(res)
 
-    print("# Context-parallel simulation (our real planner; analytical peers; not GPU measurements)")
+    print("# Context-parallel simulation "
+          "(our real planner; analytical peers; not GPU measurements)")
     print(f"\nrows per CP group B={args.rows}, seed={args.seed}, causal, Hq={HQ}, Hkv={HKV}, "
           f"D={HEAD_DIM}, bf16; planner query_cost={HQ / HKV:g}, tolerance={TOLERANCE}; "
           f"model: {m.tflops:g} TFLOP/s, all-to-all {m.a2a_gbps:g} GB/s, "
           f"all-gather {m.ag_gbps:g} GB/s\n")
     if any(r["c"] == GOAL_CP for r in res):
-        print(f"## Summary at CP={GOAL_CP} (K/V bytes per rank per layer, forward, max over ranks)\n")
+        print(f"## Summary at CP={GOAL_CP} "
+              "(K/V bytes per rank per layer, forward, max over ranks)\n")
         print(summary_table(res, GOAL_CP))
         print()
     print("## Traffic and balance (bytes per rank per layer, forward, max over ranks)\n")
     print(traffic_table(res))
-    print("\n## Planner CPU time (build_plan, median, torch.set_num_threads(1))\n")
+    print("\n## Planner CPU time (build_plan, median process CPU ms, torch.set_num_threads(1))\n")
     print(timing_table(res, cps))
     print("\n## Growth exponents of planner time (log-log slope)\n")
     print(slope_table(by_tokens, by_cp))
