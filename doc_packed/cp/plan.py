@@ -285,7 +285,8 @@ class _Planner:
                 if moved == 0:
                     continue
                 ks, ke = self._key_range(doc, ma, me)
-                dests = [r for r in self._key_owners(ks, ke) if r != h][-2:] + receivers
+                owners = self._key_owners(ks, ke)  # a range: take its last two ranks but h
+                dests = [r for r in owners[-3:] if r != h][-2:] + receivers
                 for t in dests:
                     if t == h or self.load[t] >= mean:
                         continue
