@@ -73,7 +73,10 @@ def doc_packed_attn(
     check_qkv(q, k, v, cu_seqlens)
     left, right = check_window(causal, window_size)
     scale = check_scale(scale, q.shape[-1])
-    kernels.resolve(backend, q)
+    if not torch.compiler.is_compiling():  # the op checks again when it runs (compiled too)
+        kernels.resolve(backend, q)
+    elif backend not in kernels.BACKENDS:
+        raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
     local_len = q.shape[1]
     group_name = None
     if cp_group is not None:

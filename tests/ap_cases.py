@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from unittest.mock import patch
-
 import torch
 import torch.distributed as dist
 
@@ -47,7 +45,10 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from autoparallel.api import AutoParallel
 
+    from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
     from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+
+    patch_autoparallel_for_torch()
 
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     tok_pl = tuple(pl[c] for c in in_pl)
@@ -64,7 +65,7 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     dp.set_planning_doc_len(doc_len_hint)
     with torch.device("meta"):
         model = Transformer(**cfg).double()
-    with patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True):
+    with device_name_for_cost_model():
         with AutoParallel(model, input_fn, mesh) as autop:
             autop.add_input_constraints([tok_pl, cu_pl])
             autop.add_output_constraints([o_pl])

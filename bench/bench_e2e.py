@@ -1,0 +1,205 @@
+"""AutoParallel end to end on N GPUs: training tokens/s of the layout it chose vs pure DP / CP.
+
+For each mode, every rank traces the same Llama-like model (calling doc_packed_attn) with
+AutoParallel, solves, lowers sequence-sharded attention to context parallelism, applies the
+placement, and trains a few SGD steps on packed documents:
+- ``auto``: no constraints; the solver picks input, activation and attention placements;
+- ``dp``: inputs and outputs Shard(0), attention forced to "batch";
+- ``cp``: inputs and outputs Shard(1), attention forced to "sequence".
+Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
+Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--cpu-dry-run]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import doc_packed as dp  # noqa: E402
+from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
+from models import Transformer  # noqa: E402
+
+
+def lognormal_lengths(S, mean, seed, sigma=1.0):
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], S
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+def solved_input_placements(autop, placement):
+    from torch._functorch._aot_autograd.fx_utils import get_plain_input_and_grad_nodes
+
+    nodes = get_plain_input_and_grad_nodes(autop.gm.graph)
+    return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
+
+
+def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
+    from autoparallel.api import AutoParallel
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    max_docs = S // 8
+    batches = []
+    for step in range(warmup + steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, cfg["vocab"], (B, S), generator=g)
+        targets = torch.randint(0, cfg["vocab"], (B, S), generator=g)
+        cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=max_docs)
+        batches.append((tokens.to(device), targets.to(device), cu.to(device)))
+
+    def input_fn():
+        return (torch.randint(0, cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
+
+    dp.set_planning_doc_len(mean_doc)
+    with torch.device("meta"):
+        model = Transformer(**cfg).to(dtype)
+    t0 = time.perf_counter()
+    with device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+        if mode == "dp":
+            autop.add_input_constraints([(Shard(0),), (Shard(0),)])
+            autop.add_output_constraints([(Shard(0),)])
+            force_attention_layout(autop, {mesh.mesh_dim_names[0]: "batch"})
+        elif mode == "cp":
+            autop.add_input_constraints([(Shard(1),), (Replicate(),)])
+            autop.add_output_constraints([(Shard(1),)])
+            force_attention_layout(autop, {mesh.mesh_dim_names[0]: "sequence"})
+        placement = autop.optimize_placement()
+        placement = lower_context_parallel(autop, placement)
+        choices = describe_attention(autop, placement, cu_seqlens=batches[0][2].cpu(), print_report=rank == 0)
+        in_pl = solved_input_placements(autop, placement)
+        parallel = autop.apply_placement(placement)
+    plan_s = time.perf_counter() - t0
+    parallel.to_empty(device=device)
+    with torch.no_grad():
+        for p in parallel.parameters():
+            p.to_local().normal_(0, 0.02)
+    opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
+    tok_pl, cu_pl = in_pl[-2], in_pl[-1]
+
+    def step(i):
+        tokens, targets, cu = batches[i]
+        lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
+        lc = distribute_tensor(cu, mesh, cu_pl).to_local()
+        logits = parallel(lt, lc)
+        # the targets follow the logits' sharding (1-D mesh: batch or sequence chunks)
+        if logits.shape[0] != B:
+            ltg = targets.chunk(world, 0)[rank]
+        elif logits.shape[1] != S:
+            ltg = targets.chunk(world, 1)[rank]
+        else:
+            ltg = targets
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ltg.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(warmup):
+        step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        loss = step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    dt = (time.perf_counter() - t0) / steps
+    mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    layout = {c.role: c.layout for c in choices}
+    res = dict(mode=mode, step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, loss=float(loss), attention=layout,
+               inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
+               cp=[c.cp for c in choices if c.cp][:1])
+    del parallel, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+def worker(rank, world, port, args):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    patch_autoparallel_for_torch()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.cpu_dry_run:
+        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+        cfg = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
+    else:
+        torch.cuda.set_device(rank)
+        device, dtype, backend = torch.device("cuda", rank), torch.bfloat16, "nccl"
+        cfg = dict(vocab=8192, dim=args.dim, n_heads=args.dim // 128, n_kv_heads=max(1, args.dim // 512), n_layers=args.layers)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("x",))
+    rows = []
+    for mode in args.modes.split(","):
+        try:
+            r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup)
+        except Exception as e:  # report and go on with the next mode
+            import traceback
+
+            r = dict(mode=mode, error=f"{type(e).__name__}: {e}"[:2000], tb=traceback.format_exc()[-3000:])
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+        rows.append(r)
+    if rank == 0:
+        print(f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}")
+        print(f"model: {cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
+        print("| mode | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | vs dp |")
+        print("|---|---|---|---|---|---|")
+        base = next((r["tokens_per_s"] for r in rows if r.get("mode") == "dp" and "tokens_per_s" in r), None)
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | |")
+                continue
+            rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+            print(f"| {r['mode']} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {rel} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--mean-doc", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--modes", default="auto,dp,cp")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.gpus, port, args), nprocs=args.gpus)
+
+
+if __name__ == "__main__":
+    main()
