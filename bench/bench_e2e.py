@@ -69,6 +69,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     def input_fn():
         return (torch.randint(0, cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
 
+    cu_host = batches[0][2].cpu()  # real tensors must be read before AutoParallel's fake mode
     dp.set_planning_doc_len(mean_doc)
     with torch.device("meta"):
         model = Transformer(**cfg).to(dtype)
@@ -84,7 +85,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
             force_attention_layout(autop, {mesh.mesh_dim_names[0]: "sequence"})
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
-        choices = describe_attention(autop, placement, cu_seqlens=batches[0][2].cpu(), print_report=rank == 0)
+        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=rank == 0)
         in_pl = solved_input_placements(autop, placement)
         parallel = autop.apply_placement(placement)
     plan_s = time.perf_counter() - t0
