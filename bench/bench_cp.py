@@ -203,6 +203,24 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
             res["one_gpu"] = {"fwd_ms": time_ms(lambda: one_gpu(False), warm, iters), "fwdbwd_ms": time_ms(lambda: one_gpu(True), warm, iters)}
             res["ours"] = {"fwd_ms": time_ms(lambda: ours(False), warm, iters), "fwdbwd_ms": time_ms(lambda: ours(True), warm, iters)}
             res["allgather"] = {"fwd_ms": time_ms(lambda: allgather(False), warm, iters), "fwdbwd_ms": time_ms(lambda: allgather(True), warm, iters)}
+            # keep-vs-refetch: what the backward's second exchange costs, and what keeping the
+            # forward's buffers instead would hold per layer (K, V, moved q and out, lse)
+            from doc_packed.cp import attention as cpa
+
+            lq, lk, lv = (t[:, sl].contiguous() for t in (q, k, v))
+            ex = cpa.get_exchange(lq, lk, cu, S, True, -1, 0, group.group_name)
+            lo = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
+
+            def refetch():
+                kb, vb = cpa._kv_buffers(ex, cpa._flat(lk), cpa._flat(lv), group.group_name)
+                qo = torch.stack([cpa._flat(lq), cpa._flat(lo)], 1)
+                got = cpa._cast(ex, qo, group.group_name)
+                qb = cpa.assemble(ex.q_runs, cpa._flat(lq), got[:, 0])
+                ob = cpa.assemble(ex.q_runs, cpa._flat(lo), got[:, 1])
+                return kb, vb, qb, ob
+
+            res["ours"]["refetch_ms"] = time_ms(refetch, warm, iters)
+            res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
             plan = dp.plan_context_parallel(cu.cpu(), world, query_cost=HQ / HKV)
             kv_bytes = 2 * HKV * D * 2
             res["ours"]["recv_MB_fwd"] = (max(plan.kv_recv_tokens) * kv_bytes + max(plan.q_moved_tokens) * (HQ * D * 2 * 2 + HQ * 4)) / 2**20
@@ -235,15 +253,16 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
     if rank == 0:
         device = "CPU dry run" if dry else f"{world} x {torch.cuda.get_device_name()}"
         print(f"\ndevice: {device}  torch {torch.__version__}  {DTYPE} Hq={HQ} Hkv={HKV} D={D} B=1")
-        print("| S | layout | 1 GPU f+b ms | ours f+b ms | speedup | all-gather f+b ms | speedup | ours/all-gather | ours MB in | all-gather MB in | imbalance | max rel err |")
-        print("|" + "---|" * 12)
+        print("| S | layout | 1 GPU f+b ms | ours f+b ms | speedup | all-gather f+b ms | speedup | ours/all-gather | ours MB in | all-gather MB in | imbalance | max rel err | refetch ms | keep MB |")
+        print("|" + "---|" * 14)
         for r in rows:
             o, a, s1 = r["ours"], r["allgather"], r["one_gpu"]
             print(
                 f"| {r['S'] // 1024}k | {r['layout']} | {s1['fwdbwd_ms']:.1f} | {o['fwdbwd_ms']:.1f} | "
                 f"{s1['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {a['fwdbwd_ms']:.1f} | {s1['fwdbwd_ms'] / a['fwdbwd_ms']:.2f}x | "
                 f"{a['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {o['recv_MB_fwd']:.0f} | {a['recv_MB_fwd']:.0f} | "
-                f"{r['plan']['imbalance']:.3f} | {max(r['parity_rel'].values()):.1e} |"
+                f"{r['plan']['imbalance']:.3f} | {max(r['parity_rel'].values()):.1e} | "
+                f"{o['refetch_ms']:.2f} | {o['keep_MB']:.0f} |"
             )
         if out_path:
             with open(out_path, "w") as f:

@@ -16,7 +16,7 @@ import torch
 from .. import kernels
 from .._layout import get_layout
 from . import comm
-from .exchange import RankExchange, build_exchange
+from .exchange import RankExchange, assemble, build_exchange
 from .plan import build_plan, owner_ranges
 
 __all__ = ["forward", "backward", "get_exchange"]
@@ -76,33 +76,32 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _cast_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``cat([rows, rows the plan moves here])`` for query-indexed rows."""
+def _cast(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The rows the plan moves here (only the moved rows travel)."""
     if not ex.q_traffic:
-        return rows
-    got = comm.group_cast(rows, ex.q_send_index, ex.q_send_splits, ex.q_recv_splits, group_name)
-    return torch.cat([rows, got])
+        return rows[:0]
+    return comm.group_cast(rows, ex.q_send_index, ex.q_send_splits, ex.q_recv_splits, group_name)
 
 
 def _return_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Local rows from kernel rows: rows computed for other owners travel back first."""
+    """This rank's rows from kernel rows: rows computed for other owners travel back first."""
+    back = rows[:0]
     if ex.q_traffic:
         back = comm.all_to_all(
             rows.index_select(0, ex.return_index), ex.q_recv_splits, ex.q_send_splits, group_name
         )
-        rows = torch.cat([rows, back])
-    return rows.index_select(0, ex.out_index)
+    return assemble(ex.out_runs, rows, back)
 
 
 def _kv_buffers(ex: RankExchange, kf: torch.Tensor, vf: torch.Tensor, group_name: str):
+    D = kf.shape[-1]
+    got = kf.new_empty((0, kf.shape[1], 2 * D))
     if ex.kv_traffic:
-        D = kf.shape[-1]
         send = torch.cat(
             [kf.index_select(0, ex.kv_send_index), vf.index_select(0, ex.kv_send_index)], -1
         )
         got = comm.all_to_all(send, ex.kv_send_splits, ex.kv_recv_splits, group_name)
-        kf, vf = torch.cat([kf, got[..., :D]]), torch.cat([vf, got[..., D:]])
-    return kf.index_select(0, ex.k_index), vf.index_select(0, ex.k_index)
+    return assemble(ex.k_runs, kf, got[..., :D]), assemble(ex.k_runs, vf, got[..., D:])
 
 
 def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
@@ -110,7 +109,8 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
     B, L, Hq, D = q.shape
     backend = kernels.resolve(backend, q)
     k_buf, v_buf = _kv_buffers(ex, _flat(k), _flat(v), group_name)
-    q_buf = _cast_rows(ex, _flat(q), group_name).index_select(0, ex.q_index)
+    qf = _flat(q)
+    q_buf = assemble(ex.q_runs, qf, _cast(ex, qf, group_name))
     outs, lses = [], []
     for call in ex.calls:
         o, l = kernels.forward(
@@ -120,11 +120,13 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
         outs.append(o)
         lses.append(l.t())
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out_buf = torch.cat(outs) if outs else q.new_empty((0, Hq, D))
-    lse_buf = torch.cat(lses) if lses else q.new_empty((0, Hq), dtype=lse_dtype)
-    out = _return_rows(ex, out_buf, group_name).view(B, L, Hq, D)
-    lse = _return_rows(ex, lse_buf.contiguous(), group_name).view(B, L, Hq)
-    return out, lse.permute(0, 2, 1).contiguous()
+    out_buf = torch.cat(outs) if len(outs) != 1 else outs[0]
+    lse_buf = (torch.cat(lses) if len(lses) != 1 else lses[0]).contiguous()
+    if not outs:
+        out_buf, lse_buf = q.new_empty((0, Hq, D)), q.new_empty((0, Hq), dtype=lse_dtype)
+    out = _return_rows(ex, out_buf, group_name).reshape(B, L, Hq, D)
+    lse = _return_rows(ex, lse_buf, group_name).reshape(B, L, Hq)
+    return out.contiguous(), lse.permute(0, 2, 1).contiguous()
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
@@ -134,31 +136,40 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     backend = kernels.resolve(backend, q)
     kf, vf = _flat(k), _flat(v)
     k_buf, v_buf = _kv_buffers(ex, kf, vf, group_name)
-    # q, out, dout move together; lse (float32) separately
-    qod = torch.stack([_flat(q), _flat(out), _flat(dout)], 1)  # [T, 3, Hq, D]
-    qod_buf = _cast_rows(ex, qod, group_name).index_select(0, ex.q_index)
+    qf, of, dof = _flat(q), _flat(out.contiguous()), _flat(dout.contiguous())
+    # moved queries travel with their outputs and output gradients in one message
+    got = qf.new_empty((0, 3, Hq, D))
+    if ex.q_traffic:
+        idx = ex.q_send_index
+        moved = torch.stack([qf.index_select(0, idx), of.index_select(0, idx), dof.index_select(0, idx)], 1)
+        got = comm.all_to_all(moved, ex.q_send_splits, ex.q_recv_splits, group_name)
+    q_buf, o_buf, do_buf = (assemble(ex.q_runs, x, got[:, i]) for i, x in enumerate((qf, of, dof)))
     lse_rows = lse.permute(0, 2, 1).reshape(B * L, Hq)
-    lse_buf = _cast_rows(ex, lse_rows, group_name).index_select(0, ex.q_index)
+    lse_buf = assemble(ex.q_runs, lse_rows, _cast(ex, lse_rows, group_name))
     dqs, dks, dvs = [], [], []
     for call in ex.calls:
         qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        part = qod_buf[qs]
         dq, dk, dv = kernels.backward(
-            call.spec, part[:, 2].contiguous(), part[:, 0].contiguous(), k_buf[ks], v_buf[ks],
-            part[:, 1].contiguous(), lse_buf[qs].t().contiguous(), scale, backend,
+            call.spec, do_buf[qs].contiguous(), q_buf[qs].contiguous(), k_buf[ks], v_buf[ks],
+            o_buf[qs].contiguous(), lse_buf[qs].t().contiguous(), scale, backend,
         )
         dqs.append(dq)
         dks.append(dk)
         dvs.append(dv)
-    dq_buf = torch.cat(dqs) if dqs else q.new_empty((0, Hq, D))
-    dq = _return_rows(ex, dq_buf, group_name).view(q.shape)
+    dq_buf = torch.cat(dqs) if len(dqs) != 1 else dqs[0]
+    if not dqs:
+        dq_buf = q.new_empty((0, Hq, D))
+    dq = _return_rows(ex, dq_buf, group_name).reshape(q.shape).contiguous()
     # partial dK/dV of every key row used here, summed per source row in float32
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n_src = kf.shape[0] + sum(ex.kv_recv_splits) if ex.kv_traffic else kf.shape[0]
+    T = kf.shape[0]
+    n_src = T + (sum(ex.kv_recv_splits) if ex.kv_traffic else 0)
     dkv = torch.zeros(n_src, Hkv, 2 * D, dtype=acc, device=q.device)
     if dks:
-        dkv.index_add_(0, ex.k_index, torch.cat([torch.cat(dks), torch.cat(dvs)], -1).to(acc))
-    T = kf.shape[0]
+        dk_buf = torch.cat(dks) if len(dks) != 1 else dks[0]
+        dv_buf = torch.cat(dvs) if len(dvs) != 1 else dvs[0]
+        dkv[..., :D].index_add_(0, ex.k_index, dk_buf.to(acc))
+        dkv[..., D:].index_add_(0, ex.k_index, dv_buf.to(acc))
     if ex.kv_traffic:
         comm.group_reduce(
             dkv[:T], dkv[T:].to(q.dtype), ex.kv_send_index, ex.kv_send_splits, ex.kv_recv_splits,

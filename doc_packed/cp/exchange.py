@@ -7,11 +7,12 @@ Orders (both sides of every transfer derive them from the same plan):
 - queries ``o -> t``: the parts of ``t``'s segments that ``o`` owns, in ``t``'s segment order;
 - keys ``o -> t``: the parts of ``t``'s needed key ranges that ``o`` owns, in range order.
 
-On the receiving rank, the kernel's query buffer is ``cat([local q, received q])[q_index]`` and
-its key buffer ``cat([local kv, received kv])[k_index]``: each segment's queries and the keys they
-see, contiguous, as the varlen kernel wants them. Segments are grouped into kernel calls by the
-window they need in the kernel's bottom-right-aligned convention (one call for causal and full
-attention).
+On the receiving rank, the kernel's query buffer is assembled from runs of local and received
+rows, and so is its key buffer: each segment's queries and the keys they see, contiguous, as
+the varlen kernel wants them. A run list is a handful of slices in practice, so assembling is
+one ``cat`` (no copy at all when the buffer is the local tensor itself), and only rows that
+move are gathered for sending. Segments are grouped into kernel calls by the window they need
+in the kernel's bottom-right-aligned convention (one call for causal and full attention).
 """
 
 from __future__ import annotations
@@ -23,6 +24,32 @@ import torch
 
 from ..kernels import VarlenSpec
 from .plan import ContextParallelPlan, Segment
+
+
+Run = tuple[int, int, int]  # (source: 0 local / 1 received, first row, rows)
+
+
+def assemble(runs: tuple[Run, ...], local: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """Rows ``runs`` of (local, received), in order: a view when one run, else one ``cat``."""
+    sources = (local, received)
+    if len(runs) == 1:
+        src, a, n = runs[0]
+        return sources[src][a : a + n]
+    if not runs:
+        return local[:0]
+    return torch.cat([sources[src][a : a + n] for src, a, n in runs])
+
+
+def _runs(pairs, split: int) -> tuple[Run, ...]:
+    """``(start, n)`` pairs in ``cat([local, received])`` row space -> merged runs."""
+    out: list[list[int]] = []
+    for start, n in pairs:
+        src, a = (0, start) if start < split else (1, start - split)
+        if out and out[-1][0] == src and out[-1][1] + out[-1][2] == a:
+            out[-1][2] += n
+        else:
+            out.append([src, a, n])
+    return tuple(tuple(r) for r in out)
 
 
 @dataclass(frozen=True)
@@ -43,13 +70,14 @@ class RankExchange:
     q_send_index: torch.Tensor
     q_send_splits: list[int]
     q_recv_splits: list[int]
-    q_index: torch.Tensor  # kernel query buffer <- cat([local, received])
+    q_runs: tuple[Run, ...]  # kernel query buffer <- (local rows, received rows)
     return_index: torch.Tensor  # kernel rows computed for other owners, in their send order
-    out_index: torch.Tensor  # local rows <- cat([kernel rows, returned rows])
+    out_runs: tuple[Run, ...]  # local rows <- (kernel rows, returned rows)
     kv_send_index: torch.Tensor
     kv_send_splits: list[int]
     kv_recv_splits: list[int]
-    k_index: torch.Tensor  # kernel key buffer <- cat([local, received])
+    k_runs: tuple[Run, ...]  # kernel key buffer <- (local rows, received rows)
+    k_index: torch.Tensor  # the same as row indices into cat([local, received]) (for dK/dV)
     calls: tuple[KernelCall, ...]
 
     @property
@@ -214,12 +242,13 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_send_index=runs_to_index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
-        q_index=runs_to_index(q_index),
+        q_runs=_runs(q_index, T_local),
         return_index=runs_to_index(return_rows),
-        out_index=runs_to_index([(src, n) for _, src, n in out_src]),
+        out_runs=_runs([(src, n) for _, src, n in out_src], T_buf),
         kv_send_index=runs_to_index(kv_send),
         kv_send_splits=kv_send_splits,
         kv_recv_splits=kv_recv_splits,
+        k_runs=_runs(k_index, T_local),
         k_index=runs_to_index(k_index),
         calls=tuple(calls),
     )
