@@ -52,3 +52,13 @@ def device_name_for_cost_model(name: str = "H100"):
         if torch.cuda.is_available():
             stack.enter_context(patch("torch.cuda.get_device_name", lambda *a, **k: name))
         yield
+
+
+@contextlib.contextmanager
+def gpus_per_host(n: int = 8):
+    """Make DTensor's topology model see ``n`` devices per host (fake and CPU meshes otherwise
+    count one), so the innermost mesh dims are priced as NVLink and the outer as network."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    with patch.object(type(_mesh_resources), "num_devices_per_host", lambda self, device_type: n):
+        yield
