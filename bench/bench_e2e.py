@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from models import Transformer  # noqa: E402
+from doc_packed.examples import Transformer  # noqa: E402
 
 
 def lognormal_lengths(S, mean, seed, sigma=1.0):

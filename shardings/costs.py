@@ -16,16 +16,22 @@ redistribution it implies. So:
   model: that one multiplies its estimate by 5 (a FIXME in its source), while on 2 x H200
   ``all_to_all_single`` measured 283 GB/s against all-gather's 256 GB/s. Ulysses-style
   ``Shard(1) -> Shard(2)`` redistributions are still priced by AutoParallel's own model.
+  The mesh dim is the one the priced strategy shards the sequence on (read from AutoParallel's
+  ``estimate_strategy_runtime_cost`` frame; the formula itself only sees local shapes).
   The traffic and the imbalance come from our real planner run on a representative layout:
-  rows of documents of :func:`doc_packed.set_planning_doc_len` tokens (default: one
-  document per row, the worst case for context parallelism's traffic).
+  rows of lognormal documents of mean :func:`doc_packed.set_planning_doc_len` tokens
+  (default: one document per row, the worst case for context parallelism's traffic).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import random
+import sys
 
 import torch
+from torch.distributed.tensor.placement_types import Shard
 
 from doc_packed import _flops
 from doc_packed._layout import DocLayout
@@ -34,11 +40,26 @@ from doc_packed.cp.plan import build_plan
 __all__ = ["representative_plan", "exchange_bytes", "register"]
 
 
+def representative_bounds(seq_len: int, doc_len: int) -> list[int]:
+    """Document boundaries of one representative row: lognormal lengths (sigma 1) of mean
+    ``doc_len``, from a fixed seed, so that documents straddle shard boundaries the way real
+    packed data does (equal lengths would align with the shards and hide all traffic).
+    ``doc_len >= seq_len`` is one document."""
+    if doc_len >= seq_len:
+        return [0, seq_len]
+    rng = random.Random(seq_len * 1_000_003 + doc_len)
+    mu = math.log(doc_len) - 0.5
+    bounds = [0]
+    while bounds[-1] < seq_len:
+        bounds.append(min(seq_len, bounds[-1] + max(1, int(rng.lognormvariate(mu, 1.0)))))
+    return bounds
+
+
 @functools.lru_cache(maxsize=256)
 def representative_plan(seq_len: int, doc_len: int, cp: int, causal: bool, left: int, right: int, query_cost: float):
-    """Our planner on one row of ``seq_len`` tokens cut into documents of ``doc_len``."""
-    bounds = list(range(0, seq_len, doc_len)) + [seq_len]
-    return build_plan(DocLayout([bounds], seq_len), cp, causal, left, right, query_cost=query_cost)
+    """Our planner on one representative row (:func:`representative_bounds`)."""
+    layout = DocLayout([representative_bounds(seq_len, doc_len)], seq_len)
+    return build_plan(layout, cp, causal, left, right, query_cost=query_cost)
 
 
 def exchange_bytes(
@@ -76,6 +97,31 @@ def _autoparallel_pricing():
     return mesh, collective_comm_cost, MeshTopoInfo, _get_device_tflops
 
 
+def _sequence_mesh_dim(mesh, cp: int, backward: bool) -> int | None:
+    """The mesh dim that shards the sequence in the strategy AutoParallel is pricing.
+
+    AutoParallel calls the flop formula from ``estimate_strategy_runtime_cost(node, strategy)``
+    with fake tensors of the sharded shapes only; the strategy in that frame says which mesh
+    dim holds ``Shard(1)``. Without it (another caller), the innermost dim of size ``cp``.
+    """
+    frame = sys._getframe()
+    for _ in range(40):
+        frame = frame.f_back
+        if frame is None:
+            break
+        if frame.f_code.co_name == "estimate_strategy_runtime_cost":
+            strategy = frame.f_locals.get("strategy")
+            specs = getattr(strategy, "input_specs", None)
+            if specs:
+                placements = specs[1 if backward else 0].placements
+                dims = [d for d, p in enumerate(placements) if p == Shard(1)]
+                if dims:
+                    return dims[0]
+            break
+    dims = [d for d in range(mesh.ndim) if mesh.size(d) == cp]
+    return dims[-1] if dims else None
+
+
 def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops):
     """Flop count of a sequence-sharded call while AutoParallel plans: imbalance + exchange."""
     pricing = _autoparallel_pricing()
@@ -84,15 +130,15 @@ def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backw
     mesh, comm_cost, topo_cls, tflops = pricing
     rows, local_len, q_heads, head_dim = q_shape
     cp = -(-seq_len // local_len)
-    dims = [d for d in range(mesh.ndim) if mesh.size(d) == cp]
-    if not dims:
+    dim = _sequence_mesh_dim(mesh, cp, backward)
+    if dim is None:
         return flops
     doc_len = min(_flops.planning_doc_len() or seq_len, seq_len)
     plan = representative_plan(seq_len, doc_len, cp, causal, left, right, q_heads / kv_heads)
     topo = topo_cls.build_from_mesh(mesh)
     # the all-gather model takes the gathered size; per rank it moves (n-1)/n of it
     us = sum(
-        comm_cost("allgather", int(b * cp / max(cp - 1, 1)), tuple(mesh.shape), dims[-1], topo)
+        comm_cost("allgather", int(b * cp / max(cp - 1, 1)), tuple(mesh.shape), dim, topo)
         for b in exchange_bytes(plan, rows, q_heads, kv_heads, head_dim, dtype.itemsize, backward)
     )
     return int(flops * plan.imbalance + us * 1e-6 * tflops(dtype) * 1e12 * 0.7)

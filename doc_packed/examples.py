@@ -1,4 +1,5 @@
-"""A small Llama-like transformer calling doc_packed_attn (used by tests, the demo and benches)."""
+"""A small Llama-like transformer that calls :func:`doc_packed_attn`: the model of the demo,
+the end-to-end tests and the benchmarks (not part of the library's API)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.window = window
+        self.cp_group = None  # set to a process group to run on sequence shards
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -23,7 +25,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
-        o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window)
+        o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window, cp_group=self.cp_group)
         return self.wo(o.reshape(B, S, -1))
 
 

@@ -1,0 +1,158 @@
+"""AutoParallel integration: placements the solver picks, costs it sees, lowering, and training.
+
+Skipped when AutoParallel is not installed. It is not on PyPI (the PyPI package of that name is
+unrelated): install it from https://github.com/meta-pytorch/autoparallel with
+``pip install --no-deps -e <checkout>`` plus ``pip install pulp``.
+
+Planning runs on AutoParallel's fake process group with its cost model told that a host has 8
+GPUs (see ``ap_compat.gpus_per_host``): inner mesh dims are NVLink, outer ones network.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ap_compat import autoparallel_available, device_name_for_cost_model, gpus_per_host, patch_autoparallel_for_torch
+
+if not autoparallel_available():
+    pytest.skip(
+        "AutoParallel is not installed (not on PyPI; install it from "
+        "github.com/meta-pytorch/autoparallel with `pip install --no-deps -e .` and `pip install pulp`)",
+        allow_module_level=True,
+    )
+
+import doc_packed as dp  # noqa: E402
+from ap_cases import ap_train  # noqa: E402
+from dist_utils import run_ranks  # noqa: E402
+from doc_packed.examples import Transformer  # noqa: E402
+from shardings.autoparallel import describe_attention, lower_context_parallel  # noqa: E402
+
+BIG = dict(vocab=32000, dim=4096, n_heads=32, n_kv_heads=8, n_layers=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    patch_autoparallel_for_torch()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    yield
+    dist.destroy_process_group()
+    dp.set_planning_doc_len(None)
+
+
+def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
+    """Trace and solve; return ({role: layout}, autop, placement)."""
+    from autoparallel.api import AutoParallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    dp.set_planning_doc_len(doc_len)
+    with torch.device("meta"):
+        model = Transformer(**cfg).to(torch.bfloat16)
+
+    def input_fn():
+        return torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32)
+
+    with gpus_per_host(8), device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+        if inputs is not None:
+            autop.add_input_constraints(inputs)
+        placement = autop.optimize_placement()
+        placement = lower_context_parallel(autop, placement)
+        choices = describe_attention(autop, placement, print_report=False)
+        if apply:
+            autop.apply_placement(placement)
+    layouts = {c.role: c.layout for c in choices}
+    assert layouts["forward"] == layouts["backward"]
+    return layouts["forward"], autop, placement, choices
+
+
+def _dp_inputs():
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [(Shard(0), Replicate()), (Shard(0), Replicate())]
+
+
+@pytest.mark.parametrize(
+    "S,doc_len,expected",
+    [
+        (2048, None, {"dp": "batch", "tp": "heads"}),  # short rows: Megatron-style heads
+        (32768, 2048, {"dp": "batch", "tp": "sequence"}),  # long packed rows: context parallel
+    ],
+)
+def test_dp_tp_mesh_placements_and_lowering(S, doc_len, expected):
+    layout, autop, placement, choices = plan((2, 4), ("dp", "tp"), 2, S, doc_len, inputs=_dp_inputs(), apply=True)
+    assert layout == expected
+    # sequence-sharded nodes carry the tp dim's group after lowering, the others none
+    group = autop.mesh.get_group(1).group_name
+    for node in autop.gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default):
+            cp_group = node.args[10] if node.target is torch.ops.doc_packed.attn_fwd.default else node.args[13]
+            assert cp_group == (group if expected["tp"] == "sequence" else None)
+    assert all(c.compute_us > 0 for c in choices)
+
+
+def test_attention_cost_scales_with_shard_factor():
+    from autoparallel.cost_models.compute_estimation import estimate_strategy_runtime_cost
+
+    from shardings.strategies import kind_of
+
+    _, autop, _, _ = plan((2, 4), ("dp", "tp"), 8, 16384, None, inputs=_dp_inputs())
+    opt = autop.sharding_optimizer
+    node = next(n for n in opt.strats if n.op == "call_function" and n.target is torch.ops.doc_packed.attn_fwd.default)
+    with gpus_per_host(8), device_name_for_cost_model():
+        cost = {kind_of(s.input_specs[0].placements): estimate_strategy_runtime_cost(node, s) for s in opt.strats[node].strategies}
+    full = cost[("replicate", "replicate")]
+    for kinds, factor in [(("batch", "replicate"), 2), (("replicate", "heads"), 4), (("batch", "heads"), 8), (("batch", "batch"), 8)]:
+        assert cost[kinds] == pytest.approx(full / factor, rel=0.05), kinds
+    # the sequence shard pays its exchange and imbalance on top of a quarter of the work
+    assert cost[("replicate", "sequence")] >= full / 4
+
+
+SCENARIOS_8 = [
+    # (what, B, S, doc_len, cfg, acceptable layouts of the single mesh dim, why)
+    ("batch too small to split", 1, 65536, 2048, BIG, {"sequence"}, "B=1; heads would pay 4 all-to-alls"),
+    ("heads not divisible", 1, 65536, 2048, dict(BIG, dim=1536, n_heads=12, n_kv_heads=3), {"sequence"}, "3 kv heads over 8 ranks is not offered"),
+    ("long single documents", 1, 131072, None, BIG, {"sequence", "heads"}, "compute-bound; any even split wins, replication never"),
+    ("many short documents", 1, 131072, 512, BIG, {"sequence"}, "K/V exchange is tiny"),
+    ("short sequences", 64, 1024, None, BIG, {"batch"}, "CP or TP only adds traffic"),
+]
+
+
+@pytest.mark.parametrize("what,B,S,doc_len,cfg,ok,why", SCENARIOS_8, ids=[s[0] for s in SCENARIOS_8])
+def test_solver_scenarios_8_ranks(what, B, S, doc_len, cfg, ok, why):
+    layout, *_ = plan((8,), ("x",), B, S, doc_len, cfg)
+    assert layout["x"] in ok, f"{what}: got {layout} ({why})"
+
+
+def test_solver_scenario_64_ranks_long_packed_rows():
+    # 8 hosts x 8 GPUs, 8 rows of 64k packed tokens: batch across hosts, CP inside a host
+    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
+    assert layout == {"dp": "batch", "cp": "sequence"}
+
+
+def test_solver_scenario_64_ranks_many_short_rows():
+    layout, *_ = plan((8, 8), ("dp", "tp"), 64, 4096, None)
+    assert layout == {"dp": "batch", "tp": "batch"}
+
+
+E2E_CFG = dict(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2)
+E2E_BATCH = dict(B=2, S=64, lengths=[[[20, 30, 14], [64]], [[5, 59], [1, 1, 62]], [[3] * 20 + [4], [33, 31]]])
+
+
+@pytest.mark.parametrize(
+    "mesh,names,inputs,force",
+    [
+        ((4,), ("cp",), "S", {"cp": "sequence"}),
+        ((2, 2), ("dp", "cp"), "BS", {"dp": "batch", "cp": "sequence"}),
+        ((2, 2), ("cp", "tp"), "SR", {"cp": "sequence", "tp": "heads"}),
+    ],
+)
+def test_end_to_end_training_matches_single_process(mesh, names, inputs, force):
+    results = run_ranks(ap_train, 4, mesh, names, inputs, inputs, E2E_CFG, E2E_BATCH, 3, 0.5, 32, force)
+    for r in results:
+        assert r["loss_err"] < 1e-10, r["losses"]
+        assert r["param_err"] < 1e-10
+        for role, layout in r["layout"]:
+            assert layout == force
+        assert r["losses"][-1] != r["losses"][0]  # it trained
