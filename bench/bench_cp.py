@@ -127,6 +127,16 @@ class AllGatherAttention(torch.autograd.Function):
         return dq, mine[..., :D].contiguous(), mine[..., D:].contiguous(), None, None, None
 
 
+def _recv_bytes(plan, r: int, kv_bytes: int) -> int:
+    """Bytes rank ``r`` receives in one forward: K/V rows, queries moved to it, and the
+    outputs (+ lse) of its own queries that other ranks computed."""
+    start, end = plan.owners[r]
+    computed_here = sum(max(0, min(e, end) - max(s, start)) for _, s, e in plan.q_ranges[r])
+    returned = plan.batch * (end - start) - computed_here
+    q_row = HQ * D * 2
+    return plan.kv_recv_tokens[r] * kv_bytes + plan.q_moved_tokens[r] * q_row + returned * (q_row + HQ * 4)
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -223,7 +233,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
             res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
             plan = dp.plan_context_parallel(cu.cpu(), world, query_cost=HQ / HKV)
             kv_bytes = 2 * HKV * D * 2
-            res["ours"]["recv_MB_fwd"] = (max(plan.kv_recv_tokens) * kv_bytes + max(plan.q_moved_tokens) * (HQ * D * 2 * 2 + HQ * 4)) / 2**20
+            res["ours"]["recv_MB_fwd"] = max(_recv_bytes(plan, r, kv_bytes) for r in range(world)) / 2**20
             res["allgather"]["recv_MB_fwd"] = (S - S // world) * kv_bytes / 2**20
             res["plan"] = {"imbalance": plan.imbalance, "kv_recv_tokens": list(plan.kv_recv_tokens), "q_moved_tokens": list(plan.q_moved_tokens)}
             # parity: our CP output and grads vs the one-GPU op (bf16 both)

@@ -13,7 +13,7 @@ def _batch(seed, B, S, vocab, lengths):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (B, S), generator=g)
     targets = torch.randint(0, vocab, (B, S), generator=g)
-    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=16)
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=32)
     return tokens, targets, cu
 
 
@@ -60,7 +60,7 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     init_state, ref_losses, ref_final = reference_training(cfg, batches, lr, steps)
 
     def input_fn():
-        return (torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 17, dtype=torch.int32))
+        return (torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32))
 
     dp.set_planning_doc_len(doc_len_hint)
     with torch.device("meta"):

@@ -44,8 +44,13 @@ def fake_world():
 def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
     """Trace and solve; return ({role: layout}, autop, placement)."""
     from autoparallel.api import AutoParallel
+    from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
+    from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
 
+    # AutoParallel caches strategies and costs by shapes, not by mesh: start each plan clean
+    reset_placement_options_cache()
+    reset_compute_cost_cache()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     dp.set_planning_doc_len(doc_len)
     with torch.device("meta"):

@@ -27,7 +27,7 @@ def test_valid_baseline():
 @pytest.mark.parametrize(
     "mutate,exc,match",
     [
-        (lambda q, k, v, cu: (q.numpy(), k, v, cu), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v, cu: (q.tolist(), k, v, cu), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v, cu: (q[0], k, v, cu), ValueError, "q must be 4-D"),
         (lambda q, k, v, cu: (q, k[:, :-1], v[:, :-1], cu), ValueError, "share q's"),
         (lambda q, k, v, cu: (q, k, v[..., :4], cu), ValueError, "same shape"),
