@@ -6,7 +6,9 @@ Backward: the adjoint. It fetches K/V (and the moved queries, outputs, output gr
 lse) again rather than keeping them from the forward: the ops' saved tensors stay the local
 shards, so memory per layer does not grow with the received K/V (see docs/context_parallel.md
 for the measured trade); dQ goes back to its owners and partial dK/dV are summed into theirs
-(GroupReduce) in float32.
+(GroupReduce) in float32. When every key row is used by one kernel segment (the usual case),
+local gradients are taken straight from the kernel's output and only the rows that receive
+remote partials are summed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from .. import kernels
 from .._layout import get_layout
 from . import comm
-from .exchange import RankExchange, assemble, build_exchange
+from .exchange import RankExchange, assemble, assemble_or_zeros, build_exchange
 from .plan import build_plan, owner_ranges
 
 __all__ = ["forward", "backward", "get_exchange"]
@@ -104,6 +106,37 @@ def _kv_buffers(ex: RankExchange, kf: torch.Tensor, vf: torch.Tensor, group_name
     return assemble(ex.k_runs, kf, got[..., :D]), assemble(ex.k_runs, vf, got[..., D:])
 
 
+def _reduce_kv_grads(ex: RankExchange, dk_buf, dv_buf, T: int, group_name: str):
+    """dK, dV of this rank's rows: its kernel's partial gradients plus those other ranks computed
+    for its rows (GroupReduce). Sums run in float32 (float64 for float64 inputs)."""
+    D = dk_buf.shape[-1]
+    acc = torch.float64 if dk_buf.dtype == torch.float64 else torch.float32
+    if ex.grad_runs is not None:  # each key row used at most once here: no accumulation buffer
+        local_runs, recv_runs = ex.grad_runs
+        dk, dv = assemble_or_zeros(local_runs, dk_buf), assemble_or_zeros(local_runs, dv_buf)
+        if not ex.kv_traffic:
+            return dk, dv
+        partial = torch.cat([assemble_or_zeros(recv_runs, dk_buf), assemble_or_zeros(recv_runs, dv_buf)], -1)
+        back = comm.all_to_all(partial, ex.kv_recv_splits, ex.kv_send_splits, group_name)
+        rows = ex.kv_reduce_rows
+        total = torch.cat([dk.index_select(0, rows), dv.index_select(0, rows)], -1).to(acc)
+        total.index_add_(0, ex.kv_reduce_slot, back.to(acc))
+        total = total.to(dk_buf.dtype)
+        dk, dv = dk.index_copy(0, rows, total[..., :D]), dv.index_copy(0, rows, total[..., D:])
+        return dk, dv
+    n_src = T + (sum(ex.kv_recv_splits) if ex.kv_traffic else 0)
+    dkv = torch.zeros(n_src, dk_buf.shape[1], 2 * D, dtype=acc, device=dk_buf.device)
+    dkv[..., :D].index_add_(0, ex.k_index, dk_buf.to(acc))
+    dkv[..., D:].index_add_(0, ex.k_index, dv_buf.to(acc))
+    if ex.kv_traffic:
+        comm.group_reduce(
+            dkv[:T], dkv[T:].to(dk_buf.dtype), ex.kv_send_index, ex.kv_send_splits,
+            ex.kv_recv_splits, group_name,
+        )
+    dkv = dkv[:T].to(dk_buf.dtype)
+    return dkv[..., :D].contiguous(), dkv[..., D:].contiguous()
+
+
 def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
     ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
     B, L, Hq, D = q.shape
@@ -160,22 +193,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     if not dqs:
         dq_buf = q.new_empty((0, Hq, D))
     dq = _return_rows(ex, dq_buf, group_name).reshape(q.shape).contiguous()
-    # partial dK/dV of every key row used here, summed per source row in float32
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    T = kf.shape[0]
-    n_src = T + (sum(ex.kv_recv_splits) if ex.kv_traffic else 0)
-    dkv = torch.zeros(n_src, Hkv, 2 * D, dtype=acc, device=q.device)
-    if dks:
-        dk_buf = torch.cat(dks) if len(dks) != 1 else dks[0]
-        dv_buf = torch.cat(dvs) if len(dvs) != 1 else dvs[0]
-        dkv[..., :D].index_add_(0, ex.k_index, dk_buf.to(acc))
-        dkv[..., D:].index_add_(0, ex.k_index, dv_buf.to(acc))
-    if ex.kv_traffic:
-        comm.group_reduce(
-            dkv[:T], dkv[T:].to(q.dtype), ex.kv_send_index, ex.kv_send_splits, ex.kv_recv_splits,
-            group_name,
-        )
-    dkv = dkv[:T].to(q.dtype)
-    dk = dkv[..., :D].contiguous().view(k.shape)
-    dv = dkv[..., D:].contiguous().view(v.shape)
-    return dq, dk, dv
+    dk_buf = torch.cat(dks) if len(dks) != 1 else (dks[0] if dks else k.new_empty((0, Hkv, D)))
+    dv_buf = torch.cat(dvs) if len(dvs) != 1 else (dvs[0] if dvs else v.new_empty((0, Hkv, D)))
+    dk, dv = _reduce_kv_grads(ex, dk_buf, dv_buf, kf.shape[0], group_name)
+    return dq, dk.reshape(k.shape).contiguous(), dv.reshape(v.shape).contiguous()

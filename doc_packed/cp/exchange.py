@@ -40,6 +40,45 @@ def assemble(runs: tuple[Run, ...], local: torch.Tensor, received: torch.Tensor)
     return torch.cat([sources[src][a : a + n] for src, a, n in runs])
 
 
+def assemble_or_zeros(runs: tuple[tuple[int, int], ...], rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows[p : p + n]`` for each ``(p, n)`` run, zeros where ``p == -1``."""
+    if len(runs) == 1 and runs[0][0] >= 0:
+        p, n = runs[0]
+        return rows[p : p + n]
+    parts = [
+        rows[p : p + n] if p >= 0 else rows.new_zeros((n, *rows.shape[1:])) for p, n in runs
+    ]
+    return torch.cat(parts) if parts else rows[:0]
+
+
+def _gradient_runs(pairs, T_local: int, T_recv: int):
+    """Invert the key buffer's ``(src, n)`` pairs per source row space, or None if a row is used
+    twice (then dK/dV must be accumulated)."""
+    spans: list[list[tuple[int, int, int]]] = [[], []]  # (first row, buffer position, n)
+    pos = 0
+    for src, n in pairs:
+        space, a = (0, src) if src < T_local else (1, src - T_local)
+        spans[space].append((a, pos, n))
+        pos += n
+    out = []
+    for space, total in ((0, T_local), (1, T_recv)):
+        runs, row = [], 0
+        for a, p, n in sorted(spans[space]):
+            if a < row:
+                return None
+            if a > row:
+                runs.append((-1, a - row))
+            if runs and runs[-1][0] >= 0 and runs[-1][0] + runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((p, n))
+            row = a + n
+        if row < total:
+            runs.append((-1, total - row))
+        out.append(tuple(runs))
+    return tuple(out)
+
+
 def _runs(pairs, split: int) -> tuple[Run, ...]:
     """``(start, n)`` pairs in ``cat([local, received])`` row space -> merged runs."""
     out: list[list[int]] = []
@@ -78,6 +117,11 @@ class RankExchange:
     kv_recv_splits: list[int]
     k_runs: tuple[Run, ...]  # kernel key buffer <- (local rows, received rows)
     k_index: torch.Tensor  # the same as row indices into cat([local, received]) (for dK/dV)
+    # dK/dV without a float32 buffer of every row, when each key row is used at most once:
+    # local / received rows <- kernel rows (-1: a row no query here sees, zero gradient)
+    grad_runs: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None
+    kv_reduce_rows: torch.Tensor  # distinct local rows that receive partial dK/dV
+    kv_reduce_slot: torch.Tensor  # for each row received back, its slot in kv_reduce_rows
     calls: tuple[KernelCall, ...]
 
     @property
@@ -234,6 +278,9 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
             return torch.zeros(0, dtype=torch.int64, device=device)
         return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in runs]).to(device)
 
+    sent = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in kv_send]) if kv_send else torch.zeros(0, dtype=torch.int64)
+    reduce_rows, reduce_slot = torch.unique(sent, return_inverse=True)
+
     return RankExchange(
         rank=rank,
         local_len=L,
@@ -250,5 +297,8 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_recv_splits=kv_recv_splits,
         k_runs=_runs(k_index, T_local),
         k_index=runs_to_index(k_index),
+        grad_runs=_gradient_runs(k_index, T_local, sum(kv_recv_splits)),
+        kv_reduce_rows=reduce_rows.to(device),
+        kv_reduce_slot=reduce_slot.to(device),
         calls=tuple(calls),
     )
