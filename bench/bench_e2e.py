@@ -50,6 +50,19 @@ def solved_input_placements(autop, placement):
     return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
 
 
+# mode -> (mesh dim names -> (token placement letters or None for free, forced attention))
+MODES = {
+    "auto": lambda names: (None, None),
+    "dp": lambda names: ("B" * len(names), {n: "batch" for n in names}),
+    "cp": lambda names: ("S" * len(names) if len(names) == 1 else None, {names[0]: "sequence"}),
+    # 2-D meshes named (dp, cp) / (cp, tp): inputs constrained, attention free or forced
+    "dp_cp_auto": lambda names: ("BS", None),
+    "dp_cp": lambda names: ("BS", {"dp": "batch", "cp": "sequence"}),
+    "cp_tp_auto": lambda names: ("SR", None),
+    "cp_tp": lambda names: ("SR", {"cp": "sequence", "tp": "heads"}),
+}
+
+
 def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -74,15 +87,17 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     with torch.device("meta"):
         model = Transformer(**cfg).to(dtype)
     t0 = time.perf_counter()
+    names = mesh.mesh_dim_names
+    tok_words, force = MODES[mode](names)
+    pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     with device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
-        if mode == "dp":
-            autop.add_input_constraints([(Shard(0),), (Shard(0),)])
-            autop.add_output_constraints([(Shard(0),)])
-            force_attention_layout(autop, {mesh.mesh_dim_names[0]: "batch"})
-        elif mode == "cp":
-            autop.add_input_constraints([(Shard(1),), (Replicate(),)])
-            autop.add_output_constraints([(Shard(1),)])
-            force_attention_layout(autop, {mesh.mesh_dim_names[0]: "sequence"})
+        if tok_words is not None:
+            tok_pl = tuple(pl[w] for w in tok_words)
+            cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
+            autop.add_input_constraints([tok_pl, cu_pl])
+            autop.add_output_constraints([tok_pl])
+        if force:
+            force_attention_layout(autop, force)
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
         choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=rank == 0)
@@ -95,14 +110,18 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
             p.to_local().normal_(0, 0.02)
     opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
+    out_pl = tok_pl if tok_words is not None else None
 
     def step(i):
         tokens, targets, cu = batches[i]
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
         lc = distribute_tensor(cu, mesh, cu_pl).to_local()
         logits = parallel(lt, lc)
-        # the targets follow the logits' sharding (1-D mesh: batch or sequence chunks)
-        if logits.shape[0] != B:
+        # the logits come out in the tokens' placement (constrained), or were left to the solver
+        # on a 1-D mesh: then tell batch from sequence sharding by the local shape
+        if out_pl is not None:
+            ltg = distribute_tensor(targets, mesh, out_pl).to_local()
+        elif logits.shape[0] != B:
             ltg = targets.chunk(world, 0)[rank]
         elif logits.shape[1] != S:
             ltg = targets.chunk(world, 1)[rank]
@@ -151,7 +170,8 @@ def worker(rank, world, port, args):
         device, dtype, backend = torch.device("cuda", rank), torch.bfloat16, "nccl"
         cfg = dict(vocab=8192, dim=args.dim, n_heads=args.dim // 128, n_kv_heads=max(1, args.dim // 512), n_layers=args.layers)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("x",))
+    shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else (world,)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(args.names.split(",")))
     rows = []
     for mode in args.modes.split(","):
         try:
@@ -166,6 +186,7 @@ def worker(rank, world, port, args):
     if rank == 0:
         print(f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}")
         print(f"model: {cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
+        print(f"mesh: {tuple(mesh.shape)} {mesh.mesh_dim_names}")
         print("| mode | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | vs dp |")
         print("|---|---|---|---|---|---|")
         base = next((r["tokens_per_s"] for r in rows if r.get("mode") == "dp" and "tokens_per_s" in r), None)
@@ -192,7 +213,9 @@ def main():
     ap.add_argument("--mean-doc", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--modes", default="auto,dp,cp")
+    ap.add_argument("--modes", default="auto,dp,cp", help=f"any of {sorted(MODES)}")
+    ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 2,2 (default: 1-D of all GPUs)")
+    ap.add_argument("--names", default="x", help="mesh dim names, e.g. dp,cp")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
