@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import socket
 import time
 
@@ -29,23 +27,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
+from doc_packed.examples import lognormal_lengths
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 BACKEND = "flash"  # --cpu-dry-run switches to the exact CPU kernel, gloo and float32
-
-
-def lognormal_lengths(S: int, mean: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
-    rng = random.Random(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    out, left = [], S
-    while left > 0:
-        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
-        out.append(n)
-        left -= n
-    return out
 
 
 def _sync():

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import socket
 import sys
 import time
@@ -29,18 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer  # noqa: E402
-
-
-def lognormal_lengths(S, mean, seed, sigma=1.0):
-    rng = random.Random(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    out, left = [], S
-    while left > 0:
-        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
-        out.append(n)
-        left -= n
-    return out
+from doc_packed.examples import Transformer, lognormal_lengths  # noqa: E402
 
 
 def solved_input_placements(autop, placement):
@@ -150,7 +137,6 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     res = dict(mode=mode, step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, loss=float(loss), attention=layout,
                inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
                cp=[c.cp for c in choices if c.cp][:1])
-    del parallel, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

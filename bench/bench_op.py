@@ -18,24 +18,13 @@ import argparse
 import inspect
 import json
 import math
-import random
 import time
 
 import torch
 
 import doc_packed as dp
+from doc_packed.examples import lognormal_lengths
 from doc_packed._mask import doc_pairs
-
-
-def lognormal_lengths(S: int, mean: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
-    rng = random.Random(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    out, left = [], S
-    while left > 0:
-        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
-        out.append(n)
-        left -= n
-    return out
 
 
 def layouts(S: int) -> dict[str, list[int]]:

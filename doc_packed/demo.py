@@ -13,7 +13,6 @@ per-rank work balance and K/V traffic against all-gather, loss and parameter par
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import socket
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import Transformer
+from doc_packed.examples import Transformer, lognormal_lengths
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
@@ -41,11 +40,8 @@ def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(args.seed)
     batches = []
     for _ in range(args.steps):
-        docs, total = [], 0
-        while total < args.batch * args.seq:
-            n = max(1, min(args.seq, int(rng.lognormvariate(math.log(args.mean_doc) - 0.5, 1.0))))
-            docs.append(torch.randint(0, MODEL["vocab"], (n + 1,), generator=g))
-            total += n
+        lengths = lognormal_lengths(args.batch * args.seq, args.mean_doc, rng)
+        docs = [torch.randint(0, MODEL["vocab"], (n + 1,), generator=g) for n in lengths]
         rows, cu = dp.pack_documents([d[:-1] for d in docs], args.seq, max_docs=args.seq // 4)
         targets, _ = dp.pack_documents([d[1:] for d in docs], args.seq, max_docs=args.seq // 4)
         batches.append((rows[: args.batch], targets[: args.batch], cu[: args.batch].contiguous()))

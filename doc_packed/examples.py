@@ -3,6 +3,9 @@ the end-to-end tests and the benchmarks (not part of the library's API)."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 from torch import nn
 
@@ -56,3 +59,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cu_seqlens)
         return self.out(self.norm(x))
+
+
+def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, sigma: float = 1.0) -> list[int]:
+    """Document lengths summing to ``total``: lognormal draws of mean ``mean`` (log-space
+    deviation ``sigma``), at least 1 token, the last one cut to fit. Deterministic per seed."""
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], total
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out

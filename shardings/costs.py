@@ -26,16 +26,14 @@ redistribution it implies. So:
 from __future__ import annotations
 
 import functools
-import math
-import random
 import sys
 
-import torch
 from torch.distributed.tensor.placement_types import Shard
 
 from doc_packed import _flops
 from doc_packed._layout import DocLayout
 from doc_packed.cp.plan import build_plan
+from doc_packed.examples import lognormal_lengths
 
 __all__ = ["representative_plan", "exchange_bytes", "register"]
 
@@ -47,11 +45,9 @@ def representative_bounds(seq_len: int, doc_len: int) -> list[int]:
     ``doc_len >= seq_len`` is one document."""
     if doc_len >= seq_len:
         return [0, seq_len]
-    rng = random.Random(seq_len * 1_000_003 + doc_len)
-    mu = math.log(doc_len) - 0.5
     bounds = [0]
-    while bounds[-1] < seq_len:
-        bounds.append(min(seq_len, bounds[-1] + max(1, int(rng.lognormvariate(mu, 1.0)))))
+    for n in lognormal_lengths(seq_len, doc_len, seed=seq_len * 1_000_003 + doc_len):
+        bounds.append(bounds[-1] + n)
     return bounds
 
 

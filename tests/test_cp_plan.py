@@ -1,6 +1,5 @@
 """Context-parallel plan properties, checked against independent counts from the dense mask."""
 
-import math
 import random
 
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import strategies as st
 import doc_packed as dp
 from conftest import random_lengths
 from doc_packed.cp.exchange import build_exchange
+from doc_packed.examples import lognormal_lengths
 from oracle import dense_mask
 
 MASKS = [(True, (-1, -1)), (True, (6, 0)), (False, (-1, -1)), (False, (3, 5)), (False, (4, -1))]
@@ -61,22 +61,12 @@ def test_plan_property(data, S, c, mask):
     independent_check(cu, S, c, mask[0], mask[1], plan)
 
 
-def lognormal_lengths(rng, S, mean, sigma=1.0):
-    mu = math.log(mean) - sigma**2 / 2
-    out, left = [], S
-    while left > 0:
-        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
-        out.append(n)
-        left -= n
-    return out
-
-
 @pytest.mark.parametrize("mean", [256, 1024, 4096])
 @pytest.mark.parametrize("c", [4, 8, 16])
 def test_plan_balance_and_traffic_on_realistic_layouts(c, mean):
     rng = random.Random(c * 7919 + mean)
     S = 32768
-    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(rng, S, mean) for _ in range(2)], S)
+    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean, rng) for _ in range(2)], S)
     plan = dp.plan_context_parallel(cu, c)
     assert plan.imbalance <= 1.10
     # far less K/V than all-gather (2 rows x (S - S/c) tokens per rank)
