@@ -7,7 +7,7 @@ Usage::
         autop.add_input_constraints(...)
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
-        print(describe_attention(autop, placement))
+        describe_attention(autop, placement)   # prints a report, returns the choices
         parallel = autop.apply_placement(placement)
 
 AutoParallel (https://github.com/meta-pytorch/autoparallel) is installed from its git
