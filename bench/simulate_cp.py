@@ -51,7 +51,8 @@ fixed exchange cost per layer (--a2a-fixed-ms for ours, min-heap and Ulysses, --
 all-gather) defaults to 0.
 
 Validation (--validate bench_cp.json): for every (S, layout) that bench/bench_cp.py measured,
-rebuild that layout with bench_cp.py's own generator, plan it at the run's CP size with
+rebuild that layout with bench_cp.py's own generator, plan it at the run's CP size (the JSON's
+"gpus" field, so CP=2 and CP=4 files both work) with
 bench_cp.py's call, check the plan equals the one the run recorded, and predict CP and
 all-gather fwd+bwd times with the model above, the compute rate taken from the measured
 one-GPU time of the same layout (3.5 * 4 * pairs * Hq * D / t_1GPU). Prints predicted vs
@@ -670,7 +671,8 @@ def validation_tables(res: list[dict]) -> str:
             f"{r['ours_pred_ms']:.1f}", _err(r["ours_pred_ms"], r["ours_ms"]),
             f"{r['ag_ms']:.1f}", f"{r['ag_pred_ms']:.1f}", _err(r["ag_pred_ms"], r["ag_ms"]),
         ])
-    a = table(["S", "layout", "measured 1 GPU ms", "measured CP=2 ms", "predicted CP=2 ms",
+    cp = "CP=" + "/".join(str(c) for c in dict.fromkeys(r["c"] for r in res))  # the runs' "gpus"
+    a = table(["S", "layout", "measured 1 GPU ms", f"measured {cp} ms", f"predicted {cp} ms",
                "error", "measured all-gather ms", "predicted all-gather ms", "error"], main)
     diag = []
     for r in res:
@@ -736,17 +738,19 @@ def validation_plot(res: list[dict], m: Model, out_dir: str) -> str:
         for i, (label, ys, col, hatch) in enumerate(bars):
             ax.bar(x + (i - 1.5) * w, one / np.array(ys), w, color=col, hatch=hatch,
                    alpha=0.55 if hatch else 0.9, edgecolor="black", lw=0.5, label=label)
-        ax.axhline(2, color="red", lw=0.8, ls=":", label="ideal 2x")
+        c = max(r["c"] for r in rs)
+        ax.axhline(c, color="red", lw=0.8, ls=":", label=f"ideal {c}x")
         ax.set_xticks(x, [_tok(r["S"]) for r in rs])
         ax.set_xlabel("S (one packed row)")
         ax.set_ylabel("speedup over one GPU (fwd+bwd)")
         ax.set_title(name)
-        ax.set_ylim(0, 2.2)
+        ax.set_ylim(0, 1.1 * c)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="lower right")
     fixed = (f", fixed {m.a2a_fixed_ms:g} / {m.ag_fixed_ms:g} ms"
              if m.a2a_fixed_ms or m.ag_fixed_ms else ", no fixed cost")
-    fig.suptitle("CP=2 on 2 x H200: measured vs step-time model (compute rate from the measured "
+    cps = "/".join(str(c) for c in dict.fromkeys(r["c"] for r in res))
+    fig.suptitle(f"CP={cps}: measured vs step-time model (compute rate from the measured "
                  f"one-GPU run; all-to-all {m.a2a_gbps:g} GB/s, all-gather {m.ag_gbps:g} GB/s"
                  f"{fixed})", fontsize=10)
     fig.tight_layout()
