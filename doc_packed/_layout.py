@@ -41,9 +41,6 @@ class DocLayout:
     def batch(self) -> int:
         return len(self.rows)
 
-    def lengths(self) -> list[int]:
-        return [e - s for row in self.rows for s, e in row]
-
     def derived_get(self, key: Any) -> Any:
         """The value memoised under ``key``, or None."""
         return self._derived.get(key)
@@ -105,7 +102,3 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
         _cache.popitem(last=False)
     return layout
 
-
-def clear_cache() -> None:
-    """Drop every cached layout (and the plans and device tensors derived from them)."""
-    _cache.clear()

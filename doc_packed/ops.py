@@ -138,9 +138,6 @@ def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backe
 
 # ----------------------------------------------------------------------------- autograd
 
-_FWD_ARGS = ("seq_len", "causal", "window_left", "window_right", "scale", "backend", "cp_group")
-
-
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, *rest = inputs
     out, lse = output

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from doc_packed.ops import lse_dtype
 
-__all__ = ["KINDS", "FWD", "BWD", "offered_kinds", "kind_of", "seq_len_arg"]
+__all__ = ["KINDS", "FWD", "BWD", "offered_kinds", "kind_of"]
 
 KINDS = ("replicate", "batch", "heads", "sequence")
 _R, _S0, _S1, _S2 = Replicate(), Shard(0), Shard(1), Shard(2)
@@ -56,11 +56,6 @@ BWD: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {
     "sequence": ((_S1,) * 3, (_S1,) * 5 + (_S2, _R)),
 }
 _Q_INDEX = {"fwd": 0, "bwd": 1}
-_SEQ_LEN_INDEX = {"fwd": 4, "bwd": 7}
-
-
-def seq_len_arg(op: torch._ops.OpOverload, args: Sequence[object]) -> int:
-    return int(args[_SEQ_LEN_INDEX[_which(op)]])
 
 
 def _which(op: torch._ops.OpOverload) -> str:
@@ -84,7 +79,7 @@ def offered_kinds(
     return offered
 
 
-def kind_of(placements: Sequence[Placement], which: str = "q") -> tuple[str, ...]:
+def kind_of(placements: Sequence[Placement]) -> tuple[str, ...]:
     """Per mesh dim, the kind that q's (or a q-like tensor's) ``placements`` express."""
     names = {_R: "replicate", _S0: "batch", _S2: "heads", _S1: "sequence"}
     return tuple(names.get(p, str(p)) for p in placements)

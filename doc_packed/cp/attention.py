@@ -19,7 +19,7 @@ from .. import kernels
 from .._layout import get_layout
 from . import comm
 from .exchange import RankExchange, assemble, assemble_or_zeros, build_exchange
-from .plan import build_plan, owner_ranges
+from .plan import build_plan, owner_range
 
 __all__ = ["forward", "backward", "get_exchange"]
 
@@ -43,7 +43,7 @@ def get_exchange(
     Hkv = k.shape[2]
     key = ("cp_exchange", group_name, rank, causal, left, right, Hq, Hkv, q.device)
     error, layout = None, None
-    start, end = owner_ranges(seq_len, size)[rank]
+    start, end = owner_range(seq_len, size, rank)
     try:
         layout = get_layout(cu_seqlens, seq_len)
     except ValueError as e:

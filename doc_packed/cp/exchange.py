@@ -124,10 +124,6 @@ class RankExchange:
     kv_reduce_slot: torch.Tensor  # for each row received back, its slot in kv_reduce_rows
     calls: tuple[KernelCall, ...]
 
-    @property
-    def kv_recv_tokens(self) -> int:
-        return sum(self.kv_recv_splits)
-
 
 def _kernel_window(seg: Segment, causal: bool, left: int, right: int) -> tuple[int, int]:
     """The (left, right) window that reproduces the document mask for this segment's queries

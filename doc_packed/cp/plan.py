@@ -37,10 +37,15 @@ _TOP_PIECES = 4
 _TOP_RECEIVERS = 3
 
 
-def owner_ranges(seq_len: int, cp_size: int) -> list[tuple[int, int]]:
+def owner_range(seq_len: int, cp_size: int, rank: int) -> tuple[int, int]:
     """``torch.chunk`` semantics: rank ``r`` holds ``[r * c, (r + 1) * c)`` with ``c = ceil(S / n)``."""
     cs = -(-seq_len // cp_size)
-    return [(min(r * cs, seq_len), min((r + 1) * cs, seq_len)) for r in range(cp_size)]
+    return min(rank * cs, seq_len), min((rank + 1) * cs, seq_len)
+
+
+def owner_ranges(seq_len: int, cp_size: int) -> list[tuple[int, int]]:
+    """:func:`owner_range` of every rank."""
+    return [owner_range(seq_len, cp_size, r) for r in range(cp_size)]
 
 
 @dataclass(frozen=True)
