@@ -5,11 +5,14 @@ For each layout, times forward and forward+backward of:
   max length computed outside the timed region (the raw kernel, no wrapper);
 - ``flex``: torch.compile(flex_attention) with a document-causal BlockMask built outside the
   timed region (its build time is reported separately);
-- ``ours``: doc_packed.doc_packed_attn on [B, S, H, D] with the [B, MAX_DOCS + 1] cu_seqlens.
+- ``ours``: doc_packed.doc_packed_attn on [B, S, H, D] with the [B, MAX_DOCS + 1] cu_seqlens,
+  with ``backend="auto"`` (what users get) and forced to each of its CUDA backends
+  (``ours-flash``, ``ours-flex``).
 
 TFLOP/s use causal FLOPs: forward ``4 * pairs * Hq * D``, forward+backward 3.5x that
 (flash-attention's convention), pairs = visible (query, key) pairs. The last column is ours
-over the faster raw kernel. Usage: ``python bench/bench_op.py [--quick] [--json out.json]``.
+over the faster raw kernel. Usage:
+``python bench/bench_op.py [--sizes 16384,65536] [--layouts ...] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from doc_packed.examples import lognormal_lengths
 from doc_packed._mask import doc_pairs
 
 
-def layouts(S: int) -> dict[str, list[int]]:
-    return {
-        "one doc": [S],
-        "uniform 2k": [2048] * (S // 2048),
-        "lognormal 1.4k": lognormal_lengths(S, 1400),
-    }
+LAYOUTS = {
+    "one doc": lambda S: [S],
+    "uniform 512": lambda S: [512] * (S // 512),
+    "uniform 2k": lambda S: [2048] * (S // 2048),
+    "uniform 8k": lambda S: [8192] * (S // 8192),
+    "lognormal 1.4k": lambda S: lognormal_lengths(S, 1400),
+}
+DEFAULT_LAYOUTS = ("one doc", "uniform 2k", "lognormal 1.4k")
 
 
 def bench(fn, warmup=3, iters=10) -> float:
@@ -76,7 +81,7 @@ def flex_setup(S, lengths, device):
     block_mask = create_block_mask(mask_mod, None, None, S, S, device=device)
     torch.cuda.synchronize()
     build_ms = (time.perf_counter() - t0) * 1e3
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=False)  # one static graph per size
     return compiled, block_mask, build_ms
 
 
@@ -109,13 +114,18 @@ def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.
 
     # raw varlen on [T, H, D]
     mk_raw = lambda a, b, c: raw_varlen(a.view(S, Hq, D), b.view(S, Hkv, D), c.view(S, Hkv, D), flat_cu, max(lengths))  # noqa: E731
-    mk_ours = lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu))  # noqa: E731
+    def mk_ours(backend):
+        return lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu, backend=backend))
     compiled, block_mask, build_ms = flex_setup(S, lengths, dev)
     res["blockmask_build_ms"] = build_ms
     mk_flex = lambda a, b, c: (  # noqa: E731
         lambda: compiled(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), block_mask=block_mask, enable_gqa=True)
     )
-    for label, mk in (("varlen", mk_raw), ("flex", mk_flex), ("ours", mk_ours)):
+    variants = (
+        ("varlen", mk_raw), ("flex", mk_flex), ("ours", mk_ours("auto")),
+        ("ours-flash", mk_ours("flash")), ("ours-flex", mk_ours("flex")),
+    )
+    for label, mk in variants:
         try:
             f_ms = timed(mk, False)
             fb_ms = timed(mk, True)
@@ -131,36 +141,37 @@ def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.
     return res
 
 
-def table(rows) -> str:
-    hdr = (
-        "| S | layout | varlen fwd | flex fwd | ours fwd | ours/best fwd | varlen f+b | flex f+b | "
-        "ours f+b | ours/best f+b | blockmask ms |\n|" + "---|" * 11
-    )
-    lines = [hdr]
-    for r in rows:
-        def get(label, key):
-            return r.get(label, {}).get(key, float("nan"))
+LABELS = ("varlen", "flex", "ours", "ours-flash", "ours-flex")
 
-        cells = [f"{r['S'] // 1024}k", r["layout"]]
-        for key in ("fwd_tflops", "fwdbwd_tflops"):
-            vals = [get(lbl, key) for lbl in ("varlen", "flex", "ours")]
-            best = max(x for x in vals[:2] if not math.isnan(x)) if not all(math.isnan(x) for x in vals[:2]) else float("nan")
-            cells += [f"{x:.0f}" for x in vals] + [f"{vals[2] / best:.2f}x"]
-        cells.append(f"{r['blockmask_build_ms']:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
+
+def table(rows) -> str:
+    """TFLOP/s per variant and pass; ``ours/best`` = ours (auto) over the faster raw kernel."""
+    lines = []
+    for key, title in (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward+backward")):
+        lines += [
+            f"\n{title} (TFLOP/s)\n",
+            "| S | layout | " + " | ".join(LABELS) + " | ours/best |",
+            "|" + "---|" * (len(LABELS) + 3),
+        ]
+        for r in rows:
+            vals = [r.get(lbl, {}).get(key, float("nan")) for lbl in LABELS]
+            raw = [x for x in vals[:2] if not math.isnan(x)]
+            ratio = vals[2] / max(raw) if raw else float("nan")
+            cells = [f"{r['S'] // 1024}k", r["layout"], *(f"{x:.0f}" for x in vals), f"{ratio:.2f}x"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16k only")
+    ap.add_argument("--sizes", default="16384,65536", help="comma-separated row lengths")
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
     ap.add_argument("--json", default=None, help="write raw results here")
     args = ap.parse_args()
-    sizes = [16384] if args.quick else [16384, 65536]
     rows = []
-    for S in sizes:
-        for name, lengths in layouts(S).items():
-            rows.append(run(S, name, lengths))
+    for S in (int(x) for x in args.sizes.split(",")):
+        for name in args.layouts.split(","):
+            rows.append(run(S, name, LAYOUTS[name](S)))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\ndevice: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 Hq=32 Hkv=8 D=128 B=1")
     print("TFLOP/s (causal FLOPs); ours/best = ours over the faster of varlen and flex\n")

@@ -36,7 +36,7 @@ def local_spec(layout: DocLayout, causal: bool, left: int, right: int) -> kernel
     cu = [0]
     for b, row in enumerate(layout.rows):
         cu.extend(b * S + e for _, e in row)
-    return kernels.VarlenSpec(cu, cu, causal, left, right)
+    return kernels.VarlenSpec(cu, cu, causal, left, right, row_len=S)
 
 
 def _local_problem(cu_seqlens, seq_len, causal, left, right) -> kernels.VarlenSpec:
@@ -84,7 +84,6 @@ def attn_fwd(
     _check_local(q, seq_len)
     B, S, Hq, D = q.shape
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
-    backend = kernels.resolve(backend, q)
     out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend)
     return out.view(B, S, Hq, D).contiguous(), lse.view(Hq, B, S).transpose(0, 1).contiguous()
 
@@ -122,7 +121,6 @@ def attn_bwd(
     _check_local(q, seq_len)
     B, S, Hq, D = q.shape
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
-    backend = kernels.resolve(backend, q)
     lse_flat = lse.transpose(0, 1).reshape(Hq, B * S)
     dq, dk, dv = kernels.backward(
         spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()),

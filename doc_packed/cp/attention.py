@@ -142,7 +142,6 @@ def _reduce_kv_grads(ex: RankExchange, dk_buf, dv_buf, T: int, group_name: str):
 def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
     ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
     B, L, Hq, D = q.shape
-    backend = kernels.resolve(backend, q)
     k_buf, v_buf = _kv_buffers(ex, _flat(k), _flat(v), group_name)
     qf = _flat(q)
     q_buf = assemble(ex.q_runs, qf, _cast(ex, qf, group_name))
@@ -168,7 +167,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]
-    backend = kernels.resolve(backend, q)
     kf, vf = _flat(k), _flat(v)
     k_buf, v_buf = _kv_buffers(ex, kf, vf, group_name)
     qf, of, dof = _flat(q), _flat(out.contiguous()), _flat(dout.contiguous())

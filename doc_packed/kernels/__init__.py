@@ -2,50 +2,95 @@
 
 Backends:
 - ``"flash"``: torch's flash varlen kernel (CUDA, fp16/bf16, head dim % 8 == 0 and <= 256).
+- ``"flex"``: flex_attention's Triton kernels with a closed-form BlockMask (CUDA, fp16/bf16/
+  fp32, head dim a power of two in 16..256, row lengths divisible by 128).
 - ``"math"``: exact blockwise plain-torch kernel (any device and dtype; the CPU path).
-- ``"auto"``: the fastest backend that takes the input (see :func:`resolve`).
+- ``"auto"``: per problem, the backend measured fastest for its shape (see :func:`choose`).
+
+Forward and backward choose independently: both kernels consume the same ``(out, lse)``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import blockwise, flash
+from . import blockwise, flash, flex
 from .spec import VarlenSpec
 
-__all__ = ["VarlenSpec", "BACKENDS", "resolve", "forward", "backward"]
+__all__ = ["BACKENDS", "VarlenSpec", "backward", "check_backend", "choose", "forward"]
 
-BACKENDS = ("auto", "flash", "math")
+BACKENDS = ("auto", "flash", "flex", "math")
+
+# ``auto`` prefers flex for rows of at most this many tokens and flash above (measured on
+# H100/H200, torch 2.11; docs/benchmarks.md section 1).
+FLEX_MAX_ROW = 16384
+
+_flex_broken: list[Exception] = []  # set once flex failed to compile under ``auto``
 
 
-def resolve(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend for ``q``; raises ValueError if a forced one cannot take it."""
+def check_backend(backend: str, q: torch.Tensor) -> None:
+    """Raise if ``backend`` is unknown or a forced backend cannot take ``q`` at all."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "flash" if flash.supports(q) else "math"
     if backend == "flash" and not flash.supports(q):
         raise ValueError(
             f"backend='flash' needs a CUDA tensor of float16/bfloat16 with head dim % 8 == 0 "
             f"and <= 256; got {q.device.type} {q.dtype} with head dim {q.shape[-1]}"
         )
-    return backend
+    if backend == "flex":
+        why = flex.unsupported_reason(q, None)
+        if why is not None:
+            raise ValueError(f"backend='flex' {why}")
+
+
+def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, backward: bool = False) -> str:
+    """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``)."""
+    check_backend(backend, q)
+    if backend == "flex":
+        why = flex.unsupported_reason(q, flex.problem_rows(spec))
+        if why is not None:
+            raise ValueError(f"backend='flex' {why}")
+        return "flex"
+    if backend != "auto":
+        return backend
+    if not flash.supports(q):
+        return "math"
+    rows = flex.problem_rows(spec)
+    if (
+        not _flex_broken
+        and max(rows[1], rows[2]) <= FLEX_MAX_ROW
+        and flex.unsupported_reason(q, rows) is None
+    ):
+        return "flex"
+    return "flash"
 
 
 def _module(name: str):
-    return flash if name == "flash" else blockwise
+    return {"flash": flash, "flex": flex, "math": blockwise}[name]
+
+
+def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, args: tuple):
+    name = choose(backend, spec, q, backward=pass_ == "backward")
+    if name == "flex" and backend == "auto":
+        try:
+            return getattr(flex, pass_)(spec, *args)
+        except flex.CompileError as err:
+            _flex_broken.append(err)
+            flex.warn_fallback(err)
+            name = "flash"
+    return getattr(_module(name), pass_)(spec, *args)
 
 
 def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):
-    """``(out [T_q, H_q, D], lse [H_q, T_q])`` of a packed problem; ``backend`` is concrete."""
+    """``(out [T_q, H_q, D], lse [H_q, T_q])`` of a packed problem."""
     if spec.total_q == 0:
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return torch.empty_like(q), q.new_empty((q.shape[1], 0), dtype=lse_dtype)
-    return _module(backend).forward(spec, q, k, v, scale)
+    return _run("forward", backend, spec, q, (q, k, v, scale))
 
 
 def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: str):
     """``(dq, dk, dv)`` of a packed problem from the saved ``out`` and ``lse``."""
     if spec.total_q == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _module(backend).backward(spec, dout, q, k, v, out, lse, scale)
+    return _run("backward", backend, spec, q, (dout, q, k, v, out, lse, scale))

@@ -18,7 +18,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.cache
 def _ops():
-    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn*)
+    import torch.nn.attention.varlen
 
     fwd = torch.ops.torch_attn._varlen_attn.default
     bwd = torch.ops.torch_attn._varlen_attn_backward.default

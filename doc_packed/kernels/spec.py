@@ -20,8 +20,28 @@ import torch
 class VarlenSpec:
     """Segment offsets (host ints) plus the mask of a packed varlen attention call."""
 
+    __slots__ = (
+        "_cache",
+        "causal",
+        "cu_k",
+        "cu_q",
+        "left",
+        "max_k",
+        "max_q",
+        "right",
+        "row_len",
+        "total_k",
+        "total_q",
+    )
+
     def __init__(
-        self, cu_q: Sequence[int], cu_k: Sequence[int], causal: bool, left: int, right: int
+        self,
+        cu_q: Sequence[int],
+        cu_k: Sequence[int],
+        causal: bool,
+        left: int,
+        right: int,
+        row_len: int | None = None,
     ):
         if len(cu_q) != len(cu_k) or len(cu_q) < 1:
             raise ValueError("cu_q and cu_k must have the same, non-zero length")
@@ -34,6 +54,9 @@ class VarlenSpec:
         self.total_k = self.cu_k[-1]
         self.max_q = max((b - a for a, b in zip(self.cu_q[:-1], self.cu_q[1:])), default=0)
         self.max_k = max((b - a for a, b in zip(self.cu_k[:-1], self.cu_k[1:])), default=0)
+        # queries and keys form independent rows of ``row_len`` tokens (no segment crosses a
+        # row boundary); lets a kernel batch by row (flex). None: one packed problem.
+        self.row_len = row_len
         self._cache: dict = {}
 
     @property

@@ -1,0 +1,298 @@
+"""flex_attention (Triton, via Inductor) for packed varlen problems, forward and backward.
+
+The mask is the spec's per-query key interval ``[lo[q], hi[q]]`` (document, causal and window
+in one; see :meth:`VarlenSpec.key_bounds`), passed to the kernel as two int32 buffers. The
+``BlockMask`` is built in closed form from those intervals on the host, once per spec, so every
+layer of a step shares it and no ``[S, S]`` mask is ever evaluated. Rows of a local call map to
+flex's batch dim (``[B, H, S, D]`` views of the packed tensors, no copies); a context-parallel
+problem is one row of ``T_q`` queries against ``T_k`` keys.
+
+The backward runs flex's backward kernel on the saved ``out`` and ``lse`` without recomputing
+the forward. torch has no public entry point for that, so both passes call the flex
+higher-order ops directly: each is traced once per shape signature with ``make_fx`` and
+compiled with Inductor (``compile_fx``); block-mask tensors and the interval buffers are graph
+inputs, so one compiled function serves every layout of that shape. This uses private torch
+APIs (checked on 2.11 and 2.13); if compiling fails, ``backend="auto"`` falls back to the
+flash kernel with a warning, while ``backend="flex"`` raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+from .spec import VarlenSpec
+
+BLOCK = 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_LN2 = math.log(2.0)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether flex_attention's Triton kernels can be built here (torch + triton)."""
+    try:
+        import triton  # noqa: F401
+        from torch._higher_order_ops.flex_attention import (  # noqa: F401
+            create_fw_bw_graph,
+            flex_attention,
+            flex_attention_backward,
+        )
+        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def unsupported_reason(q: torch.Tensor, rows: tuple[int, int, int] | None) -> str | None:
+    """Why flex cannot take ``q`` (``[T, H, D]`` or ``[B, S, H, D]``) with problem ``rows``.
+
+    ``rows`` is ``(num_rows, q_len, k_len)`` per row (see :func:`problem_rows`), or None when
+    unknown yet. Returns None when flex can run it.
+    """
+    if q.device.type != "cuda":
+        return f"needs a CUDA tensor, got {q.device.type}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"needs float16/bfloat16/float32, got {q.dtype}"
+    if q.shape[-1] not in _HEAD_DIMS:
+        return f"needs head dim in {_HEAD_DIMS}, got {q.shape[-1]}"
+    if rows is not None and (rows[1] % BLOCK or rows[2] % BLOCK):
+        return (
+            f"needs sequence lengths divisible by {BLOCK}, got {rows[1]} queries and "
+            f"{rows[2]} keys per row"
+        )
+    if not available():
+        return "needs triton and torch's flex_attention"
+    return None
+
+
+def problem_rows(spec: VarlenSpec) -> tuple[int, int, int]:
+    """``(num_rows, q_len, k_len)``: the flex batch a spec maps to."""
+    if spec.row_len is not None and spec.total_q == spec.total_k:
+        return spec.total_q // spec.row_len, spec.row_len, spec.row_len
+    return 1, spec.total_q, spec.total_k
+
+
+# ----------------------------------------------------------------------------- block mask
+
+
+def _mask_mod(b, h, q_idx, kv_idx, lo, hi):
+    return (kv_idx >= lo[b, q_idx]) & (kv_idx <= hi[b, q_idx])
+
+
+def _score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex's ``(num_blocks [..., nQ], indices [..., nQ, nKV])`` of a dense block mask."""
+    num = mask.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num, idx
+
+
+def block_tables(spec: VarlenSpec):
+    """Host tensors ``(lo, hi, partial, full)`` for the spec's flex batch.
+
+    ``lo/hi`` are ``[B, L_q]`` int32 row-local key intervals; ``partial`` and ``full`` are
+    ``[B, nQ, nKV]`` bool: a block is *full* when every query row of it sees every key column,
+    *partial* when some (not all) pairs are visible. Each row's interval is contiguous and
+    both ends are non-decreasing in the query index within a segment, so a query block sees
+    the hull of its rows' intervals and sees a key block in full when the block lies inside
+    every row's interval.
+    """
+    B, Lq, Lk = problem_rows(spec)
+    lo, hi = spec.key_bounds()
+    offset = torch.arange(B, dtype=torch.int64)[:, None] * Lk
+    lo = lo.view(B, Lq) - offset
+    hi = hi.view(B, Lq) - offset
+    live = hi >= lo
+    nq, nk = Lq // BLOCK, Lk // BLOCK
+    big = torch.iinfo(torch.int64).max
+    blo, bhi, blive = lo.view(B, nq, BLOCK), hi.view(B, nq, BLOCK), live.view(B, nq, BLOCK)
+    hull_lo = blo.masked_fill(~blive, big).amin(-1)  # [B, nQ]
+    hull_hi = bhi.masked_fill(~blive, -1).amax(-1)
+    all_live = blive.all(-1)
+    inner_lo, inner_hi = blo.amax(-1), bhi.amin(-1)
+    k0 = torch.arange(nk, dtype=torch.int64) * BLOCK  # [nKV]
+    k1 = k0 + BLOCK - 1
+    any_ = (k0 <= hull_hi[..., None]) & (k1 >= hull_lo[..., None])
+    full = all_live[..., None] & (inner_lo[..., None] <= k0) & (inner_hi[..., None] >= k1)
+    return lo.to(torch.int32), hi.to(torch.int32), any_ & ~full, full
+
+
+class _Mask:
+    """A spec's BlockMask on one device, split for the traced passes."""
+
+    __slots__ = ("hi", "lo", "pos", "template", "tensors")
+
+    def __init__(self, bm, lo: torch.Tensor, hi: torch.Tensor):
+        self.template = bm.as_tuple()
+        self.pos = tuple(i for i, x in enumerate(self.template) if isinstance(x, torch.Tensor))
+        self.tensors = tuple(self.template[i] for i in self.pos)
+        self.lo, self.hi = lo, hi
+
+    def rebuild(self, tensors) -> tuple:
+        """The ``as_tuple()`` form with ``tensors`` (graph inputs) in place of the block tensors."""
+        t = list(self.template)
+        for i, x in zip(self.pos, tensors):
+            t[i] = x
+        return tuple(t)
+
+    def signature(self) -> tuple:
+        consts = tuple(x for x in self.template if not isinstance(x, torch.Tensor) and not callable(x))
+        return consts, tuple(tuple(t.shape) for t in self.tensors)
+
+
+def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
+    """The spec's BlockMask and interval buffers on ``device``, cached on the spec."""
+
+    def build():
+        from torch.nn.attention.flex_attention import BlockMask
+
+        lo, hi, partial, full = block_tables(spec)
+        num, idx = _ordered(partial[:, None])
+        fnum, fidx = _ordered(full[:, None])
+        _, Lq, Lk = problem_rows(spec)
+        bm = BlockMask.from_kv_blocks(
+            num, idx, fnum, fidx, BLOCK_SIZE=BLOCK, mask_mod=_mask_mod, seq_lengths=(Lq, Lk)
+        )
+        return _Mask(bm.to(device), lo.to(device), hi.to(device))
+
+    return spec.cached(("flex_block_mask", device), build)
+
+
+# ----------------------------------------------------------------------------- compiled passes
+
+
+@functools.cache
+def _kernel_options() -> dict:
+    opts = {"BACKEND": "TRITON"}
+    try:
+        from torch.nn.attention.flex_attention import _apply_kernel_options
+
+        dummy = torch.empty(0)
+        opts = _apply_kernel_options(dummy, dummy, dummy, True, opts)
+    except (ImportError, TypeError, ValueError):  # pragma: no cover - older/newer torch
+        opts.update(
+            PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False,
+            WRITE_DQ=True, OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False,
+        )
+    opts["OUTPUT_LOGSUMEXP"] = True
+    return opts
+
+
+@functools.cache
+def _score_graphs(device: torch.device, dtype: torch.dtype):
+    """flex's ``(fw_graph, joint_graph)`` of the identity score_mod, built once."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    scalar = torch.zeros((), device=device, dtype=dtype, requires_grad=True)
+    index = tuple(torch.zeros((), device=device, dtype=torch.int) for _ in range(4))
+    return create_fw_bw_graph(_score_mod, (scalar, *index), ())
+
+
+class CompileError(RuntimeError):
+    """Tracing or compiling a flex pass failed (private torch APIs moved, no Triton, ...)."""
+
+
+_compiled: dict = {}
+
+
+def _compile(key, fn, inputs, compile_graph: bool):
+    """Trace ``fn`` on fake copies of ``inputs``; compile with Inductor (cached by ``key``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        gm = make_fx(fn, tracing_mode="fake")(*inputs)
+        if compile_graph:
+            from torch._inductor.compile_fx import compile_fx
+
+            compiled = compile_fx(gm, list(inputs))
+        else:  # CPU tests: run the traced graph eagerly (flex's dense math path)
+            compiled = gm
+    except Exception as err:
+        raise CompileError(f"{type(err).__name__}: {err}") from err
+    _compiled[key] = compiled
+    return compiled
+
+
+def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph) -> tuple:
+    return (
+        pass_, compile_graph, problem_rows(spec), tuple(q.shape), tuple(k.shape), q.dtype,
+        q.device, scale, mask.signature(),
+    )
+
+
+def _views(spec, *xs):
+    """``[B, H, L, D]`` views of packed ``[T, H, D]`` tensors."""
+    B = problem_rows(spec)[0]
+    return [x.view(B, x.shape[0] // B, *x.shape[1:]).transpose(1, 2) for x in xs]
+
+
+def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | None = None):
+    """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
+    compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
+    mask = block_mask(spec, q.device)
+    key = _key("fwd", spec, q, k, scale, mask, compile_graph)
+    fn = _compiled.get(key)
+    q4, k4, v4 = _views(spec, q, k, v)
+    inputs = (q4, k4, v4, mask.lo, mask.hi, *mask.tensors)
+    if fn is None:
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+
+        opts = _kernel_options()
+
+        def run(q4, k4, v4, lo, hi, *bt):
+            out, lse, *_ = flex_hop(q4, k4, v4, _score_mod, mask.rebuild(bt), scale, opts, (), (lo, hi))
+            return out, lse
+
+        fn = _compile(key, run, inputs, compile_graph)
+    out4, lse2 = fn(*inputs)
+    out = out4.transpose(1, 2).reshape(q.shape)
+    return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile_graph=None):
+    """``(dq, dk, dv)`` from the saved ``out`` and natural-log ``lse [H_q, T_q]``."""
+    compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
+    mask = block_mask(spec, q.device)
+    key = _key("bwd", spec, q, k, scale, mask, compile_graph)
+    fn = _compiled.get(key)
+    B = problem_rows(spec)[0]
+    q4, k4, v4, o4, do4 = _views(spec, q, k, v, out, dout)
+    lse2 = (lse / _LN2).view(lse.shape[0], B, -1).transpose(0, 1).contiguous()
+    inputs = (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors)
+    if fn is None:
+        from torch._higher_order_ops.flex_attention import flex_attention_backward
+
+        opts = _kernel_options()
+        fw_graph, joint_graph = _score_graphs(q.device, q.dtype)
+
+        def run(q4, k4, v4, o4, lse2, do4, lo, hi, *bt):
+            dq, dk, dv, *_ = flex_attention_backward(
+                q4, k4, v4, o4, lse2, do4, None, fw_graph, joint_graph, mask.rebuild(bt),
+                scale, opts, (), (lo, hi),
+            )
+            return dq, dk, dv
+
+        fn = _compile(key, run, inputs, compile_graph)
+    dq, dk, dv = fn(*inputs)
+    return (
+        dq.transpose(1, 2).reshape(q.shape),
+        dk.transpose(1, 2).reshape(k.shape),
+        dv.transpose(1, 2).reshape(v.shape),
+    )
+
+
+def warn_fallback(err: Exception) -> None:
+    warnings.warn(
+        f"doc_packed: flex_attention failed to compile ({err}); backend='auto' uses the "
+        "flash kernel instead",
+        RuntimeWarning,
+        stacklevel=4,
+    )
