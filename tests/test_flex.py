@@ -181,3 +181,19 @@ def test_auto_choice_and_forced_flex_rules():
         kernels.choose("flex", spec, q)
     with pytest.raises(ValueError, match="backend must be one of"):
         kernels.choose("triton", spec, q)
+
+
+def test_column_tables_match_torch_transpose():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rng = random.Random(9)
+    S = 1024
+    spec = local_spec([random_lengths(rng, S), [S]], S, False, 300, 2)
+    mask = flex.block_mask(spec, torch.device("cpu"))
+    bm = BlockMask.from_kv_blocks(*mask.tensors[:4], BLOCK_SIZE=BLOCK, seq_lengths=(S, S))
+    ours = mask.rebuild(mask.tensors)
+    names = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    theirs = [getattr(bm, n) for n in names]
+    got = [ours[mask.pos[4 + i]] for i in range(4)]
+    for a, b in zip(got, theirs):
+        assert torch.equal(a, b)

@@ -155,12 +155,16 @@ def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
         from torch.nn.attention.flex_attention import BlockMask
 
         lo, hi, partial, full = block_tables(spec)
-        num, idx = _ordered(partial[:, None])
-        fnum, fidx = _ordered(full[:, None])
+        partial, full = partial[:, None], full[:, None]  # one mask for every head
         _, Lq, Lk = problem_rows(spec)
         bm = BlockMask.from_kv_blocks(
-            num, idx, fnum, fidx, BLOCK_SIZE=BLOCK, mask_mod=_mask_mod, seq_lengths=(Lq, Lk)
+            *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK, mask_mod=_mask_mod,
+            seq_lengths=(Lq, Lk), compute_q_blocks=False,
         )
+        # the backward's column view, from our dense tables (torch's own transpose uses vmap,
+        # which fails when this runs inside a compiled graph)
+        bm.q_num_blocks, bm.q_indices = _ordered(partial.transpose(-2, -1))
+        bm.full_q_num_blocks, bm.full_q_indices = _ordered(full.transpose(-2, -1))
         return _Mask(bm.to(device), lo.to(device), hi.to(device))
 
     return spec.cached(("flex_block_mask", device), build)
