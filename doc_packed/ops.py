@@ -23,7 +23,7 @@ from torch.utils.flop_counter import register_flop_formula
 from . import _flops, kernels
 from ._layout import DocLayout, get_layout
 
-__all__ = ["attn_fwd", "attn_bwd", "lse_dtype"]
+__all__ = ["attn_bwd", "attn_fwd", "lse_dtype"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -12,15 +12,15 @@ import random
 
 import pytest
 import torch
+from conftest import random_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import reference
 
 import doc_packed as dp
-from conftest import random_lengths
 from doc_packed import kernels
 from doc_packed.kernels import flex
 from doc_packed.kernels.spec import VarlenSpec
-from oracle import reference
 
 BLOCK = flex.BLOCK
 
@@ -177,6 +177,8 @@ def test_auto_choice_and_forced_flex_rules():
     q = torch.randn(4, 2, 16)
     spec = local_spec([[512]], 512, True, -1, 0)
     assert kernels.choose("auto", spec, q) == "math"  # CPU: the exact kernel
+    cp_spec = VarlenSpec([0, 128], [0, 256], True, -1, 0)
+    assert kernels.choose("auto", cp_spec, q) == "math"
     with pytest.raises(ValueError, match="backend='flex' needs a CUDA tensor"):
         kernels.choose("flex", spec, q)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -197,3 +199,13 @@ def test_column_tables_match_torch_transpose():
     got = [ours[mask.pos[4 + i]] for i in range(4)]
     for a, b in zip(got, theirs):
         assert torch.equal(a, b)
+
+
+def test_block_tables_are_contiguous_int32():
+    # the Triton kernels index the tables assuming dense rows; a strided table gave wrong
+    # gradients on GPU before this was enforced
+    spec = local_spec([[100, 412], [512]], 512, True, -1, 0)
+    mask = flex.block_mask(spec, torch.device("cpu"))
+    assert len(mask.tensors) >= 8
+    for t in mask.tensors:
+        assert t.dtype == torch.int32 and t.is_contiguous()

@@ -21,7 +21,7 @@ from . import comm
 from .exchange import RankExchange, assemble, assemble_or_zeros, build_exchange
 from .plan import build_plan, owner_range
 
-__all__ = ["forward", "backward", "get_exchange"]
+__all__ = ["backward", "forward", "get_exchange"]
 
 # Allowed work imbalance over the mean. Plans weigh moving one query against fetching one
 # key/value row by their sizes per token (q/out and gradients: H_q * D; k/v: H_kv * D).

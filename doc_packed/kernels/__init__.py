@@ -5,9 +5,11 @@ Backends:
 - ``"flex"``: flex_attention's Triton kernels with a closed-form BlockMask (CUDA, fp16/bf16/
   fp32, head dim a power of two in 16..256, row lengths divisible by 128).
 - ``"math"``: exact blockwise plain-torch kernel (any device and dtype; the CPU path).
-- ``"auto"``: per problem, the backend measured fastest for its shape (see :func:`choose`).
+- ``"auto"``: flex for local calls it can take, else flash, else math (see :func:`choose`).
+  Context-parallel kernel calls change shape every step, so under ``auto`` they use flash
+  (flex compiles once per shape).
 
-Forward and backward choose independently: both kernels consume the same ``(out, lse)``.
+Every backend produces and consumes the same ``(out, lse)``, so passes may differ.
 """
 
 from __future__ import annotations
@@ -20,10 +22,6 @@ from .spec import VarlenSpec
 __all__ = ["BACKENDS", "VarlenSpec", "backward", "check_backend", "choose", "forward"]
 
 BACKENDS = ("auto", "flash", "flex", "math")
-
-# ``auto`` prefers flex for rows of at most this many tokens and flash above (measured on
-# H100/H200, torch 2.11; docs/benchmarks.md section 1).
-FLEX_MAX_ROW = 16384
 
 _flex_broken: list[Exception] = []  # set once flex failed to compile under ``auto``
 
@@ -43,7 +41,7 @@ def check_backend(backend: str, q: torch.Tensor) -> None:
             raise ValueError(f"backend='flex' {why}")
 
 
-def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, backward: bool = False) -> str:
+def choose(backend: str, spec: VarlenSpec, q: torch.Tensor) -> str:
     """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``)."""
     check_backend(backend, q)
     if backend == "flex":
@@ -53,16 +51,15 @@ def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, backward: bool = Fal
         return "flex"
     if backend != "auto":
         return backend
-    if not flash.supports(q):
-        return "math"
-    rows = flex.problem_rows(spec)
+    # flex measured fastest in every layout and size we ran (docs/benchmarks.md section 1);
+    # only for local calls, whose shapes (hence compiled kernels) stay fixed across steps
     if (
         not _flex_broken
-        and max(rows[1], rows[2]) <= FLEX_MAX_ROW
-        and flex.unsupported_reason(q, rows) is None
+        and spec.row_len is not None
+        and flex.unsupported_reason(q, flex.problem_rows(spec)) is None
     ):
         return "flex"
-    return "flash"
+    return "flash" if flash.supports(q) else "math"
 
 
 def _module(name: str):
@@ -70,14 +67,14 @@ def _module(name: str):
 
 
 def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, args: tuple):
-    name = choose(backend, spec, q, backward=pass_ == "backward")
+    name = choose(backend, spec, q)
     if name == "flex" and backend == "auto":
         try:
             return getattr(flex, pass_)(spec, *args)
         except flex.CompileError as err:
             _flex_broken.append(err)
             flex.warn_fallback(err)
-            name = "flash"
+            name = "flash" if flash.supports(q) else "math"
     return getattr(_module(name), pass_)(spec, *args)
 
 

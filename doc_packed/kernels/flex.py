@@ -90,9 +90,9 @@ def _score_mod(score, b, h, q_idx, kv_idx):
 
 def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """flex's ``(num_blocks [..., nQ], indices [..., nQ, nKV])`` of a dense block mask."""
-    num = mask.sum(-1, dtype=torch.int32)
-    idx = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num, idx
+    num = mask.sum(-1, dtype=torch.int32).contiguous()
+    idx = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    return num, idx.to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def block_tables(spec: VarlenSpec):
@@ -128,13 +128,18 @@ def block_tables(spec: VarlenSpec):
 class _Mask:
     """A spec's BlockMask on one device, split for the traced passes."""
 
-    __slots__ = ("hi", "lo", "pos", "template", "tensors")
+    __slots__ = ("hi", "lo", "pos", "signature", "template", "tensors")
 
     def __init__(self, bm, lo: torch.Tensor, hi: torch.Tensor):
         self.template = bm.as_tuple()
         self.pos = tuple(i for i, x in enumerate(self.template) if isinstance(x, torch.Tensor))
         self.tensors = tuple(self.template[i] for i in self.pos)
         self.lo, self.hi = lo, hi
+        consts = tuple(
+            x for x in self.template if not isinstance(x, torch.Tensor) and not callable(x)
+        )
+        # what a compiled pass bakes in: block sizes, lengths, table shapes (not values)
+        self.signature = (consts, tuple(tuple(t.shape) for t in self.tensors))
 
     def rebuild(self, tensors) -> tuple:
         """The ``as_tuple()`` form with ``tensors`` (graph inputs) in place of the block tensors."""
@@ -142,10 +147,6 @@ class _Mask:
         for i, x in zip(self.pos, tensors):
             t[i] = x
         return tuple(t)
-
-    def signature(self) -> tuple:
-        consts = tuple(x for x in self.template if not isinstance(x, torch.Tensor) and not callable(x))
-        return consts, tuple(tuple(t.shape) for t in self.tensors)
 
 
 def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
@@ -228,7 +229,7 @@ def _compile(key, fn, inputs, compile_graph: bool):
 def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph) -> tuple:
     return (
         pass_, compile_graph, problem_rows(spec), tuple(q.shape), tuple(k.shape), q.dtype,
-        q.device, scale, mask.signature(),
+        q.device, scale, mask.signature,
     )
 
 
