@@ -9,9 +9,10 @@ For each layout, times forward and forward+backward of:
   with ``backend="auto"`` (what users get) and forced to each of its CUDA backends
   (``ours-flash``, ``ours-flex``).
 
-Timing: CUDA events, median of 20 calls after 5 warm-up calls; the variants run in turn and the
-whole round twice, keeping each variant's better median (one run showed 15% between two
-rounds of the same kernel).
+Timing: CUDA events around each call, no synchronisation between calls (see :func:`bench`),
+median of 20 calls after 5 warm-up calls; the variants run in turn and the whole round twice,
+keeping each variant's better median (one run showed 15% between two rounds of the same
+kernel).
 
 TFLOP/s use causal FLOPs: forward ``4 * pairs * Hq * D``, forward+backward 3.5x that
 (flash-attention's convention), pairs = visible (query, key) pairs. The last column is ours
@@ -45,19 +46,25 @@ DEFAULT_LAYOUTS = ("one doc", "uniform 2k", "lognormal 1.4k")
 
 
 def bench(fn, warmup=5, iters=20) -> float:
-    """Median milliseconds of ``fn`` timed with CUDA events."""
+    """Median milliseconds of ``fn`` on the GPU, the host running ahead (as in training).
+
+    Each call is bracketed by CUDA events but nothing synchronises between calls (triton's
+    ``do_bench`` method), so host work overlaps the previous call's kernels and shows only
+    where the host cannot keep up. Host cost per call is measured by bench_overhead.py.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for a, b in events:
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in events)
     return times[len(times) // 2]
 
 
