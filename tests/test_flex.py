@@ -209,3 +209,28 @@ def test_block_tables_are_contiguous_int32():
     assert len(mask.tensors) >= 8
     for t in mask.tensors:
         assert t.dtype == torch.int32 and t.is_contiguous()
+
+
+def test_auto_falls_back_when_flex_cannot_compile(monkeypatch):
+    # pretend flex and flash both take the input; flex fails to compile -> auto warns once,
+    # runs the next backend, and does not try flex again; a forced flex raises
+    q = torch.randn(256, 2, 16)
+    spec = local_spec([[256]], 256, True, -1, 0)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append("flex")
+        raise flex.CompileError("no triton")
+
+    monkeypatch.setattr(kernels, "_flex_broken", [])
+    monkeypatch.setattr(flex, "unsupported_reason", lambda q, rows: None)
+    monkeypatch.setattr(flex, "forward", broken)
+    monkeypatch.setattr(kernels.flash, "supports", lambda q: False)
+    assert kernels.choose("auto", spec, q) == "flex"
+    with pytest.warns(RuntimeWarning, match="flex_attention failed to compile"):
+        out, lse = kernels.forward(spec, q, q, q, 0.25, "auto")
+    want, _ = kernels.forward(spec, q, q, q, 0.25, "math")
+    torch.testing.assert_close(out, want)
+    assert kernels.choose("auto", spec, q) == "math" and calls == ["flex"]
+    with pytest.raises(flex.CompileError):
+        kernels.forward(spec, q, q, q, 0.25, "flex")

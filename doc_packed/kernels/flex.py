@@ -226,6 +226,18 @@ def _compile(key, fn, inputs, compile_graph: bool):
     return compiled
 
 
+def _first_call(key, fn, inputs):
+    """Run a fresh compiled pass; Triton builds its kernels here, so failures count as compile
+    failures (the entry is dropped). Out-of-memory errors pass through unchanged."""
+    try:
+        return fn(*inputs)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        _compiled.pop(key, None)
+        raise CompileError(f"{type(err).__name__}: {err}") from err
+
+
 def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph) -> tuple:
     return (
         pass_, compile_graph, problem_rows(spec), tuple(q.shape), tuple(k.shape), q.dtype,
@@ -257,7 +269,9 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
             return out, lse
 
         fn = _compile(key, run, inputs, compile_graph)
-    out4, lse2 = fn(*inputs)
+        out4, lse2 = _first_call(key, fn, inputs)
+    else:
+        out4, lse2 = fn(*inputs)
     out = out4.transpose(1, 2).reshape(q.shape)
     return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
 
@@ -286,7 +300,9 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
             return dq, dk, dv
 
         fn = _compile(key, run, inputs, compile_graph)
-    dq, dk, dv = fn(*inputs)
+        dq, dk, dv = _first_call(key, fn, inputs)
+    else:
+        dq, dk, dv = fn(*inputs)
     return (
         dq.transpose(1, 2).reshape(q.shape),
         dk.transpose(1, 2).reshape(k.shape),
