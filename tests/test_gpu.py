@@ -32,59 +32,48 @@ def _layouts(rng, S):
     ]
 
 
+def _check_parity(lengths, S, heads, causal, window, dtype, backend, tol, seed):
+    """doc_packed_attn on CUDA against the float64 oracle: out, lse and the three gradients."""
+    D = 64
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(lengths), S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(len(lengths), S, Hq, D, generator=g)
+    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
+    ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
+    cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
+    out, lse = dp.doc_packed_attn(
+        cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True, backend=backend
+    )
+    grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel(out.cpu(), ref_out) <= tol
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= max(2e-2, tol)
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all()
+        assert rel(got.cpu(), want) <= 2 * tol
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal,window", MASKS)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (4, 1)])
 def test_cuda_parity(dtype, causal, window, heads):
+    # S = 333 is not a multiple of 128: auto runs flash (fp16/bf16) or math (fp32)
     rng = random.Random(7)
-    S, D = 333, 64
-    for lengths in _layouts(rng, S):
-        cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
-        Hq, Hkv = heads
-        g = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(2, S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
-        dout = torch.randn(2, S, Hq, D, generator=g)
-        rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
-        ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
-        ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
-        cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
-        out, lse = dp.doc_packed_attn(cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True)
-        grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
-        assert out.dtype == dtype and torch.isfinite(out).all()
-        assert rel(out.cpu(), ref_out) <= TOL[dtype]
-        assert (lse.cpu().double() - ref_lse).abs().max().item() <= max(2e-2, TOL[dtype])
-        for got, want in zip(grads, ref_grads):
-            assert torch.isfinite(got).all()
-            assert rel(got.cpu(), want) <= 2 * TOL[dtype]
+    for lengths in _layouts(rng, 333):
+        _check_parity(lengths, 333, heads, causal, window, dtype, "auto", TOL[dtype], seed=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 1)])
 def test_flex_parity(dtype, heads):
     rng = random.Random(5)
-    S, D = 384, 64
     tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
     for causal, window in MASKS:
-        for lengths in _layouts(rng, S):
-            cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
-            Hq, Hkv = heads
-            g = torch.Generator().manual_seed(2)
-            q, k, v = (torch.randn(2, S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
-            dout = torch.randn(2, S, Hq, D, generator=g)
-            rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
-            ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
-            ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
-            cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
-            out, lse = dp.doc_packed_attn(
-                cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True,
-                backend="flex",
-            )
-            grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
-            assert rel(out.cpu(), ref_out) <= tol
-            assert (lse.cpu().double() - ref_lse).abs().max().item() <= max(2e-2, tol)
-            for got, want in zip(grads, ref_grads):
-                assert torch.isfinite(got).all()
-                assert rel(got.cpu(), want) <= 2 * tol
+        for lengths in _layouts(rng, 384):
+            _check_parity(lengths, 384, heads, causal, window, dtype, "flex", tol, seed=2)
 
 
 def test_flex_context_parallel_shape_empty_rows_and_mixed_passes():
