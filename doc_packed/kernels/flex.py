@@ -264,7 +264,7 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
     if fn is None:
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
 
-        opts = _kernel_options()
+        opts = dict(_kernel_options())  # a private copy per traced pass
 
         def run(q4, k4, v4, lo, hi, *bt):
             out, lse, *_ = flex_hop(q4, k4, v4, _score_mod, mask.rebuild(bt), scale, opts, (), (lo, hi))
@@ -291,7 +291,7 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
     if fn is None:
         from torch._higher_order_ops.flex_attention import flex_attention_backward
 
-        opts = _kernel_options()
+        opts = dict(_kernel_options())  # a private copy per traced pass
         fw_graph, joint_graph = _score_graphs(q.device, q.dtype)
 
         def run(q4, k4, v4, o4, lse2, do4, lo, hi, *bt):
