@@ -43,12 +43,12 @@ def check_backend(backend: str, q: torch.Tensor) -> None:
 
 def choose(backend: str, spec: VarlenSpec, q: torch.Tensor) -> str:
     """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``)."""
-    check_backend(backend, q)
-    if backend == "flex":
+    if backend == "flex":  # the shape-level checks of check_backend plus the row lengths
         why = flex.unsupported_reason(q, flex.problem_rows(spec))
         if why is not None:
             raise ValueError(f"backend='flex' {why}")
         return "flex"
+    check_backend(backend, q)
     if backend != "auto":
         return backend
     # flex measured fastest in every layout and size we ran (docs/benchmarks.md section 1);

@@ -253,15 +253,21 @@ def _views(spec, *xs):
     return [x.view(B, x.shape[0] // B, *x.shape[1:]).transpose(1, 2) for x in xs]
 
 
+def _run_pass(key, inputs: tuple, make_fn, compile_graph: bool):
+    """Run the compiled pass cached under ``key``; trace and compile ``make_fn()`` first if new."""
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn(*inputs)
+    return _first_call(key, _compile(key, make_fn(), inputs, compile_graph), inputs)
+
+
 def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | None = None):
     """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
     compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
     mask = block_mask(spec, q.device)
-    key = _key("fwd", spec, q, k, scale, mask, compile_graph)
-    fn = _compiled.get(key)
     q4, k4, v4 = _views(spec, q, k, v)
-    inputs = (q4, k4, v4, mask.lo, mask.hi, *mask.tensors)
-    if fn is None:
+
+    def make_fn():
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
 
         opts = dict(_kernel_options())  # a private copy per traced pass
@@ -270,10 +276,12 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
             out, lse, *_ = flex_hop(q4, k4, v4, _score_mod, mask.rebuild(bt), scale, opts, (), (lo, hi))
             return out, lse
 
-        fn = _compile(key, run, inputs, compile_graph)
-        out4, lse2 = _first_call(key, fn, inputs)
-    else:
-        out4, lse2 = fn(*inputs)
+        return run
+
+    out4, lse2 = _run_pass(
+        _key("fwd", spec, q, k, scale, mask, compile_graph),
+        (q4, k4, v4, mask.lo, mask.hi, *mask.tensors), make_fn, compile_graph,
+    )
     out = out4.transpose(1, 2).reshape(q.shape)
     return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
 
@@ -282,13 +290,11 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
     """``(dq, dk, dv)`` from the saved ``out`` and natural-log ``lse [H_q, T_q]``."""
     compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
     mask = block_mask(spec, q.device)
-    key = _key("bwd", spec, q, k, scale, mask, compile_graph)
-    fn = _compiled.get(key)
     B = problem_rows(spec)[0]
     q4, k4, v4, o4, do4 = _views(spec, q, k, v, out, dout)
     lse2 = (lse / _LN2).view(lse.shape[0], B, -1).transpose(0, 1).contiguous()
-    inputs = (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors)
-    if fn is None:
+
+    def make_fn():
         from torch._higher_order_ops.flex_attention import flex_attention_backward
 
         opts = dict(_kernel_options())  # a private copy per traced pass
@@ -301,10 +307,12 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
             )
             return dq, dk, dv
 
-        fn = _compile(key, run, inputs, compile_graph)
-        dq, dk, dv = _first_call(key, fn, inputs)
-    else:
-        dq, dk, dv = fn(*inputs)
+        return run
+
+    dq, dk, dv = _run_pass(
+        _key("bwd", spec, q, k, scale, mask, compile_graph),
+        (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors), make_fn, compile_graph,
+    )
     return (
         dq.transpose(1, 2).reshape(q.shape),
         dk.transpose(1, 2).reshape(k.shape),
