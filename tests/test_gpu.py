@@ -12,57 +12,30 @@ import pytest
 import torch
 
 import doc_packed as dp
-from conftest import random_lengths
-from oracle import reference
+from gpu_parity import HEADS, MASKS, layouts, parity_errors, rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3, torch.float32: 1e-5}
-MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (64, 0)), (False, (32, 16))]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _layouts(rng, S):
-    return [
-        [[S], random_lengths(rng, S)],
-        [[1] * 7 + [0, S - 7], [S // 3, 0, S - S // 3]],
-    ]
 
 
 def _check_parity(lengths, S, heads, causal, window, dtype, backend, tol, seed):
     """doc_packed_attn on CUDA against the float64 oracle: out, lse and the three gradients."""
-    D = 64
-    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
-    Hq, Hkv = heads
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(len(lengths), S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
-    dout = torch.randn(len(lengths), S, Hq, D, generator=g)
-    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
-    ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
-    cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
-    out, lse = dp.doc_packed_attn(
-        cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True, backend=backend
-    )
-    grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    assert rel(out.cpu(), ref_out) <= tol
-    assert (lse.cpu().double() - ref_lse).abs().max().item() <= max(2e-2, tol)
-    for got, want in zip(grads, ref_grads):
-        assert torch.isfinite(got).all()
-        assert rel(got.cpu(), want) <= 2 * tol
+    e = parity_errors(lengths, S, heads, causal, window, dtype, backend, seed)
+    assert e["out_dtype"] == dtype and e["finite"]
+    assert e["out"] <= tol
+    assert e["lse"] <= max(2e-2, tol)
+    for name in ("dq", "dk", "dv"):
+        assert e[name] <= 2 * tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal,window", MASKS)
-@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (4, 1)])
+@pytest.mark.parametrize("heads", HEADS)
 def test_cuda_parity(dtype, causal, window, heads):
     # S = 333 is not a multiple of 128: auto runs flash (fp16/bf16) or math (fp32)
     rng = random.Random(7)
-    for lengths in _layouts(rng, 333):
+    for lengths in layouts(rng, 333):
         _check_parity(lengths, 333, heads, causal, window, dtype, "auto", TOL[dtype], seed=1)
 
 
@@ -72,7 +45,7 @@ def test_flex_parity(dtype, heads):
     rng = random.Random(5)
     tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
     for causal, window in MASKS:
-        for lengths in _layouts(rng, 384):
+        for lengths in layouts(rng, 384):
             _check_parity(lengths, 384, heads, causal, window, dtype, "flex", tol, seed=2)
 
 

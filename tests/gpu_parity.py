@@ -1,0 +1,58 @@
+"""doc_packed_attn on CUDA against the float64 oracle: the errors the GPU tests bound.
+
+Shared by tests/test_gpu.py (which asserts tolerances on them) and bench/accuracy.py (which
+reports the worst values over the same grid).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import doc_packed as dp
+from conftest import random_lengths
+from oracle import reference
+
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (64, 0)), (False, (32, 16))]
+HEADS = [(8, 8), (8, 2), (4, 1)]
+HEAD_DIM = 64
+
+
+def rel(a, b) -> float:
+    """Relative Frobenius error ``||a - b|| / ||b||``, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def layouts(rng: random.Random, S: int) -> list[list[list[int]]]:
+    """Two batches of two rows: one document and a random layout; 1-token and empty documents."""
+    return [
+        [[S], random_lengths(rng, S)],
+        [[1] * 7 + [0, S - 7], [S // 3, 0, S - S // 3]],
+    ]
+
+
+def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed) -> dict:
+    """Errors of one CUDA forward+backward: ``out``, ``dq``, ``dk``, ``dv`` (relative), ``lse``
+    (max abs), plus ``finite`` (no inf/NaN in out or grads) and ``out_dtype``."""
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(lengths), S, h, HEAD_DIM, generator=g) for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(len(lengths), S, Hq, HEAD_DIM, generator=g)
+    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
+    ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
+    cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
+    out, lse = dp.doc_packed_attn(
+        cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True, backend=backend
+    )
+    grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
+    errs = {
+        "out": rel(out.cpu(), ref_out),
+        "lse": (lse.cpu().double() - ref_lse).abs().max().item(),
+        **{name: rel(got.cpu(), want) for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads)},
+    }
+    errs["finite"] = all(bool(torch.isfinite(x).all()) for x in (out, *grads))
+    errs["out_dtype"] = out.dtype
+    return errs
