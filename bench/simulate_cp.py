@@ -787,20 +787,12 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
                 label="ours (K/V only)")
         ax.plot(cs, [r["kv_lb"] * HKV * HEAD_DIM * 2 * BF16 / 1e6 for r in rs], ":",
                 color="gray", label="K/V lower bound, any plan")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(dist)
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in axes[-1]:
-        ax.set_xlabel("CP size")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("MB per rank per layer (fwd, max)")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=9)
-    fig.suptitle(f"(a) per-rank traffic, T = {_tok(plot_tokens)} tokens per CP group "
-                 f"(Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, bf16) - simulation with our real planner")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    paths.append(_save(fig, out_dir, "sim_traffic.png"))
+    paths.append(_finish_cp_grid(
+        fig, axes, dists, "MB per rank per layer (fwd, max)",
+        f"(a) per-rank traffic, T = {_tok(plot_tokens)} tokens per CP group "
+        f"(Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, bf16) - simulation with our real planner",
+        0.05, out_dir, "sim_traffic.png",
+    ))
 
     # (b) imbalance vs cp, every T; plotted as max/mean - 1 so that 1.001 and 1.6 both read
     excess = lambda x: max(x - 1, 1e-5)  # noqa: E731
@@ -817,19 +809,11 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
                     label=f"min-heap T={_tok(T)}")
         ax.axhline(0.05, color="red", lw=0.8, ls=":", label="goal 1.05")
         ax.axhline(TOLERANCE, color="gray", lw=0.8, ls=":", label="planner tolerance 1.01")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(dist)
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in axes[-1]:
-        ax.set_xlabel("CP size")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("max/mean work - 1 (log; floor 1e-5)")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=9)
-    fig.suptitle("(b) work imbalance (solid: ours, dashed: locality-blind min-heap)")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    paths.append(_save(fig, out_dir, "sim_imbalance.png"))
+    paths.append(_finish_cp_grid(
+        fig, axes, dists, "max/mean work - 1 (log; floor 1e-5)",
+        "(b) work imbalance (solid: ours, dashed: locality-blind min-heap)",
+        0.08, out_dir, "sim_imbalance.png",
+    ))
 
     # (c) planner time vs tokens
     pdists = [d for d in ("lognormal-512", "powerlaw", "one-doc")
@@ -861,6 +845,24 @@ def plots(res: list[dict], out_dir: str, plot_tokens: int) -> list[str]:
     fig.tight_layout()
     paths.append(_save(fig, out_dir, "sim_planner_time.png"))
     return paths
+
+
+def _finish_cp_grid(fig, axes, dists, ylabel, title, bottom, out_dir, name) -> str:
+    """Log-log axes per distribution, CP-size x labels, one shared legend; saves the figure."""
+    for ax, dist in zip(axes.flat, dists):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(dist)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("CP size")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    return _save(fig, out_dir, name)
 
 
 def _save(fig, out_dir: str, name: str) -> str:
