@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import lognormal_lengths
+from doc_packed.examples import lognormal_lengths, random_attention_problem
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
 
@@ -145,12 +145,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
         for name, lengths in (("one doc", [S]), ("lognormal 2k", lognormal_lengths(S, 2048, seed=S))):
             big = S >= 131072 and name == "one doc"
             warm, iters = (1, 2) if big or quick else (2, 5)
-            g = torch.Generator(device=dev).manual_seed(1)
-            q = torch.randn(1, S, HQ, D, device=dev, dtype=DTYPE, generator=g)
-            k = torch.randn(1, S, HKV, D, device=dev, dtype=DTYPE, generator=g)
-            v = torch.randn(1, S, HKV, D, device=dev, dtype=DTYPE, generator=g)
-            dout = torch.randn(q.shape, device=dev, dtype=DTYPE, generator=g)
-            cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(dev)
+            q, k, v, dout, cu = random_attention_problem(lengths, S, (HQ, HKV), D, DTYPE, dev, seed=1)
             chunk = S // world
             sl = slice(rank * chunk, (rank + 1) * chunk)
 
@@ -275,7 +270,7 @@ def main():
     ap.add_argument("--sizes", default="65536,131072,262144")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU/gloo: checks the script")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="CPU/gloo, fp32, tiny heads: checks the script (pass small --sizes, e.g. 2048,4096)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     with socket.socket() as s:

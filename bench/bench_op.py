@@ -31,7 +31,7 @@ import time
 import torch
 
 import doc_packed as dp
-from doc_packed.examples import lognormal_lengths
+from doc_packed.examples import lognormal_lengths, random_attention_problem
 from doc_packed._mask import doc_pairs
 
 
@@ -98,12 +98,7 @@ def flex_setup(S, lengths, device):
 
 def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.bfloat16):
     dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(1, S, Hq, D, device=dev, dtype=dtype, generator=g)
-    k = torch.randn(1, S, Hkv, D, device=dev, dtype=dtype, generator=g)
-    v = torch.randn(1, S, Hkv, D, device=dev, dtype=dtype, generator=g)
-    dout = torch.randn(q.shape, device=dev, dtype=dtype, generator=g)
-    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(dev)
+    q, k, v, dout, cu = random_attention_problem(lengths, S, (Hq, Hkv), D, dtype, dev, seed=0)
     flat_cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), device=dev, dtype=torch.int32)
     pairs = sum(doc_pairs(n, True, -1, 0) for n in lengths)
     fwd_flop = 4 * pairs * Hq * D

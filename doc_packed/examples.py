@@ -72,3 +72,19 @@ def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, si
         out.append(n)
         left -= n
     return out
+
+
+def random_attention_problem(
+    lengths: list[int], seq_len: int, heads: tuple[int, int], head_dim: int,
+    dtype: torch.dtype, device, seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, dout, cu_seqlens)`` for one packed row of ``lengths``: the benchmarks' input
+    (standard normal, ``heads = (H_q, H_kv)``, MAX_DOCS = len(lengths) + 8)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    Hq, Hkv = heads
+    q = torch.randn(1, seq_len, Hq, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, seq_len, Hkv, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, seq_len, Hkv, head_dim, device=device, dtype=dtype, generator=g)
+    dout = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
+    cu = dp.cu_seqlens_from_lengths([lengths], seq_len, max_docs=len(lengths) + 8).to(device)
+    return q, k, v, dout, cu
