@@ -47,8 +47,9 @@ def main():
     compiled, block_mask, _ = flex_setup(S, [S], dev)
     grads = (q, k, v)
 
-    variants = {
-        "varlen": lambda: raw_varlen(q.view(S, Hq, D), k.view(S, Hkv, D), v.view(S, Hkv, D), flat_cu, S)(),
+    varlen = raw_varlen(q.view(S, Hq, D), k.view(S, Hkv, D), v.view(S, Hkv, D), flat_cu, S)
+    variants = {  # the anchors' set-up (signature probe, views) stays outside the timed calls
+        "varlen": varlen,
         "flex": lambda: compiled(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, enable_gqa=True
         ),
