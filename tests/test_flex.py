@@ -222,12 +222,12 @@ def test_auto_falls_back_when_flex_cannot_compile(monkeypatch):
         calls.append("flex")
         raise flex.CompileError("no triton")
 
-    monkeypatch.setattr(kernels, "_flex_broken", [])
+    monkeypatch.setattr(kernels, "_broken", {})
     monkeypatch.setattr(flex, "unsupported_reason", lambda q, rows: None)
     monkeypatch.setattr(flex, "forward", broken)
     monkeypatch.setattr(kernels.flash, "supports", lambda q: False)
     assert kernels.choose("auto", spec, q) == "flex"
-    with pytest.warns(RuntimeWarning, match="flex_attention failed to compile"):
+    with pytest.warns(RuntimeWarning, match="backend 'flex' failed"):
         out, lse = kernels.forward(spec, q, q, q, 0.25, "auto")
     want, _ = kernels.forward(spec, q, q, q, 0.25, "math")
     torch.testing.assert_close(out, want)

@@ -1,81 +1,128 @@
 """Kernel dispatch for packed varlen attention problems (:class:`VarlenSpec`).
 
-Backends:
-- ``"flash"``: torch's flash varlen kernel (CUDA, fp16/bf16, head dim % 8 == 0 and <= 256).
+Backends, in the order ``auto`` tries them (:data:`TABLE`):
+- ``"fa4"``: FlashAttention-4 (optional package ``flash-attn-4``; CUDA compute capability 9.x or
+  10.x, fp16/bf16, head dim % 8 == 0 up to 256 (10.x: up to 128, or 256), q heads / kv heads a
+  power of two).
 - ``"flex"``: flex_attention's Triton kernels with a closed-form BlockMask (CUDA, fp16/bf16/
-  fp32, head dim a power of two in 16..256, row lengths divisible by 128).
+  fp32, head dim a power of two in 16..256, row lengths divisible by 128). Local calls only
+  under ``auto``: context-parallel kernel calls change shape every step and flex compiles once
+  per shape (FA4 and flash do not recompile per layout).
+- ``"flash"``: torch's flash varlen kernel (CUDA, fp16/bf16, head dim % 8 == 0 and <= 256).
 - ``"math"``: exact blockwise plain-torch kernel (any device and dtype; the CPU path).
-- ``"auto"``: flex for local calls it can take, else flash, else math (see :func:`choose`).
-  Context-parallel kernel calls change shape every step, so under ``auto`` they use flash
-  (flex compiles once per shape).
 
-Every backend produces and consumes the same ``(out, lse)``, so passes may differ.
+``auto`` runs the first that takes the problem (see :func:`choose`); a forced backend that
+cannot raises ``ValueError`` naming the rule. Every backend produces and consumes the same
+``(out, lse)``, so passes may differ.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import NamedTuple
+
 import torch
 
-from . import blockwise, flash, flex
+from . import blockwise, fa4, flash, flex
 from .spec import VarlenSpec
 
-__all__ = ["BACKENDS", "VarlenSpec", "backward", "check_backend", "choose", "forward"]
+__all__ = [
+    "BACKENDS", "TABLE", "Backend", "VarlenSpec", "backward", "check_backend", "choose", "forward",
+    "reasons",
+]
 
-BACKENDS = ("auto", "flash", "flex", "math")
 
-_flex_broken: list[Exception] = []  # set once flex failed to compile under ``auto``
+class Backend(NamedTuple):
+    """One kernel backend: its module (``forward``/``backward``) and when it applies."""
+
+    name: str
+    module: ModuleType
+    # why it cannot take (q [T, H, D] or [B, S, H, D], spec or None, kv heads or None); None: it can
+    why_not: Callable[[torch.Tensor, VarlenSpec | None, int | None], str | None]
+    any_shape: bool  # ``auto`` may pick it for context-parallel calls (new shapes every step)
+    fallback_on: tuple[type[Exception], ...]  # errors after which ``auto`` stops using it
 
 
-def check_backend(backend: str, q: torch.Tensor) -> None:
+# ``auto``'s order: FA4 measured fastest on Hopper in every layout we ran, flex next (faster
+# than torch's varlen kernel everywhere on H100/H200; docs/benchmarks.md)
+TABLE: tuple[Backend, ...] = (
+    Backend("fa4", fa4, lambda q, spec, kv: fa4.unsupported_reason(q, kv), True, (fa4.Unavailable,)),
+    Backend(
+        "flex", flex,
+        lambda q, spec, kv: flex.unsupported_reason(q, None if spec is None else flex.problem_rows(spec)),
+        False, (flex.CompileError,),
+    ),
+    Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, ()),
+    Backend("math", blockwise, lambda q, spec, kv: None, True, ()),
+)
+BACKENDS = ("auto", *(b.name for b in TABLE))
+
+_broken: dict[str, Exception] = {}  # backends that failed to load/compile under ``auto``
+
+
+def _entry(name: str) -> Backend:
+    for b in TABLE:
+        if b.name == name:
+            return b
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def reasons(
+    q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | None = None
+) -> dict[str, str | None]:
+    """Per backend, why it cannot take ``q`` (and ``spec``/``kv_heads`` when given); None: it can."""
+    return {b.name: b.why_not(q, spec, kv_heads) for b in TABLE}
+
+
+def check_backend(backend: str, q: torch.Tensor, kv_heads: int | None = None) -> None:
     """Raise if ``backend`` is unknown or a forced backend cannot take ``q`` at all."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "flash" and not flash.supports(q):
-        raise ValueError(
-            f"backend='flash' needs a CUDA tensor of float16/bfloat16 with head dim % 8 == 0 "
-            f"and <= 256; got {q.device.type} {q.dtype} with head dim {q.shape[-1]}"
-        )
-    if backend == "flex":
-        why = flex.unsupported_reason(q, None)
-        if why is not None:
-            raise ValueError(f"backend='flex' {why}")
+    if backend == "auto":
+        return
+    why = _entry(backend).why_not(q, None, kv_heads)
+    if why is not None:
+        raise ValueError(f"backend={backend!r} {why}")
 
 
-def choose(backend: str, spec: VarlenSpec, q: torch.Tensor) -> str:
-    """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``)."""
-    if backend == "flex":  # the shape-level checks of check_backend plus the row lengths
-        why = flex.unsupported_reason(q, flex.problem_rows(spec))
-        if why is not None:
-            raise ValueError(f"backend='flex' {why}")
-        return "flex"
-    check_backend(backend, q)
+def choose(
+    backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None = None
+) -> str:
+    """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``).
+
+    ``auto``: the first backend of :data:`TABLE` that takes the problem, skipping flex for
+    context-parallel calls (``spec.row_len is None``) and any backend that failed to load or
+    compile earlier. A forced backend that cannot take it raises ``ValueError`` with the rule.
+    """
     if backend != "auto":
+        why = _entry(backend).why_not(q, spec, kv_heads)
+        if why is not None:
+            raise ValueError(f"backend={backend!r} {why}")
         return backend
-    # flex measured fastest in every layout and size we ran (docs/benchmarks.md section 1);
-    # only for local calls, whose shapes (hence compiled kernels) stay fixed across steps
-    if (
-        not _flex_broken
-        and spec.row_len is not None
-        and flex.unsupported_reason(q, flex.problem_rows(spec)) is None
-    ):
-        return "flex"
-    return "flash" if flash.supports(q) else "math"
+    local = spec.row_len is not None
+    for b in TABLE:
+        if b.name not in _broken and (local or b.any_shape) and b.why_not(q, spec, kv_heads) is None:
+            return b.name
+    return "math"  # pragma: no cover - math takes everything
 
 
-def _module(name: str):
-    return {"flash": flash, "flex": flex, "math": blockwise}[name]
-
-
-def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, args: tuple):
-    name = choose(backend, spec, q)
-    if name == "flex" and backend == "auto":
+def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, args: tuple):
+    name = choose(backend, spec, q, kv_heads)
+    while True:
+        entry = _entry(name)
         try:
-            return getattr(flex, pass_)(spec, *args)
-        except flex.CompileError as err:
-            _flex_broken.append(err)
-            flex.warn_fallback(err)
-            name = "flash" if flash.supports(q) else "math"
-    return getattr(_module(name), pass_)(spec, *args)
+            return getattr(entry.module, pass_)(spec, *args)
+        except entry.fallback_on as err:
+            if backend != "auto":
+                raise
+            _broken[name] = err
+            name = choose("auto", spec, q, kv_heads)
+            warnings.warn(
+                f"doc_packed: backend {entry.name!r} failed ({err}); backend='auto' uses "
+                f"{name!r} from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):
@@ -83,11 +130,11 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):
     if spec.total_q == 0:
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return torch.empty_like(q), q.new_empty((q.shape[1], 0), dtype=lse_dtype)
-    return _run("forward", backend, spec, q, (q, k, v, scale))
+    return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale))
 
 
 def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: str):
     """``(dq, dk, dv)`` of a packed problem from the saved ``out`` and ``lse``."""
     if spec.total_q == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _run("backward", backend, spec, q, (dout, q, k, v, out, lse, scale))
+    return _run("backward", backend, spec, q, k.shape[1], (dout, q, k, v, out, lse, scale))

@@ -33,16 +33,23 @@ def available() -> bool:
     return True
 
 
+def unsupported_reason(q: torch.Tensor) -> str | None:
+    """Why the flash kernel cannot take ``q`` (device, dtype, head size); None when it can."""
+    if q.device.type != "cuda":
+        return f"needs a CUDA tensor, got {q.device.type}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"needs float16/bfloat16, got {q.dtype}"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"needs head dim % 8 == 0 and <= 256, got {d}"
+    if not available():
+        return "needs torch.ops.torch_attn._varlen_attn (torch >= 2.11)"
+    return None
+
+
 def supports(q: torch.Tensor) -> bool:
     """Whether the flash kernel takes this input (device, dtype, head size)."""
-    d = q.shape[-1]
-    return (
-        q.device.type == "cuda"
-        and q.dtype in SUPPORTED_DTYPES
-        and d % 8 == 0
-        and d <= 256
-        and available()
-    )
+    return unsupported_reason(q) is None
 
 
 def _window(spec: VarlenSpec) -> tuple[bool, list[int]]:

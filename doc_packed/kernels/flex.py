@@ -13,14 +13,13 @@ higher-order ops directly: each is traced once per shape signature with ``make_f
 compiled with Inductor (``compile_fx``); block-mask tensors and the interval buffers are graph
 inputs, so one compiled function serves every layout of that shape. This uses private torch
 APIs (checked on 2.11 and 2.13); if compiling fails, ``backend="auto"`` falls back to the
-flash kernel with a warning, while ``backend="flex"`` raises.
+next backend with a warning, while ``backend="flex"`` raises.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 
@@ -319,11 +318,3 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
         dv.transpose(1, 2).reshape(v.shape),
     )
 
-
-def warn_fallback(err: Exception) -> None:
-    warnings.warn(
-        f"doc_packed: flex_attention failed to compile ({err}); backend='auto' uses the "
-        "flash kernel instead",
-        RuntimeWarning,
-        stacklevel=4,
-    )

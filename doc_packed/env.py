@@ -1,0 +1,88 @@
+"""Which attention backends this machine can run, and which one a call gets.
+
+``python -m doc_packed.env`` prints torch's version, the device, and per backend whether it
+is usable here (for a bf16, head dim 128, GQA 4:1 probe) or why not, e.g.
+``fa4: not usable: needs the flash-attn-4 package (pip install 'doc-packed[fa4]')``.
+:func:`backend_for` answers the same for real inputs: the backend ``doc_packed_attn`` runs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from . import kernels
+from ._checks import check_qkv, check_window
+
+__all__ = ["backend_for", "backend_reasons", "report"]
+
+
+def backend_for(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    backend: str = "auto",
+) -> str:
+    """The kernel backend ``doc_packed_attn(q, k, v, cu_seqlens, ...)`` runs on these inputs.
+
+    For a local (not context-parallel) call; validates like the op (``v`` is taken to be
+    shaped like ``k``) and raises the op's errors, including ``ValueError`` for a forced
+    ``backend`` that cannot take the inputs. Reads ``cu_seqlens`` once per tensor (cached).
+    """
+    from .ops import _local_problem
+
+    check_qkv(q, k, k, cu_seqlens)
+    left, right = check_window(causal, window_size)
+    spec = _local_problem(cu_seqlens, q.shape[1], causal, left, right)
+    return kernels.choose(backend, spec, q, k.shape[2])
+
+
+def backend_reasons(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 128,
+    heads: tuple[int, int] = (32, 8),
+) -> dict[str, str | None]:
+    """Per backend, why it cannot run local calls of this kind here; None when it can."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.empty(0, heads[0], head_dim, dtype=dtype, device=device)
+    return kernels.reasons(q, None, heads[1])
+
+
+def _package_line() -> str:
+    from .kernels import fa4
+
+    try:
+        version = importlib.metadata.version(fa4.PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if fa4.available():
+        return f"{fa4.PACKAGE}: installed ({version or 'version unknown'})"
+    return f"{fa4.PACKAGE}: not installed ({fa4.INSTALL_HINT})"
+
+
+def report() -> str:
+    """The text ``python -m doc_packed.env`` prints."""
+    lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda})"]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        lines.append(f"device: {torch.cuda.get_device_name()}, compute capability {major}.{minor}")
+    else:
+        lines.append("device: cpu (no CUDA device)")
+    lines.append(_package_line())
+    why = backend_reasons()
+    lines.append("backends for bf16, head dim 128, GQA 4:1 (auto tries them in this order):")
+    for name, reason in why.items():
+        lines.append(f"  {name}: " + ("usable" if reason is None else f"not usable: {reason}"))
+    first = next(name for name, reason in why.items() if reason is None)
+    lines.append(f"auto runs {first} for such local calls it takes")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

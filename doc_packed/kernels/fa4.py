@@ -1,0 +1,171 @@
+"""FlashAttention-4 (pip package ``flash-attn-4``, NVIDIA CuTe DSL) for packed varlen problems.
+
+The packed ``[T, H, D]`` tensors and the spec's segment offsets go to FA4 as they are (no
+copies): its varlen entry points take the same layout, the same bottom-right-aligned causal
+and window convention as :class:`VarlenSpec`, GQA natively, and return lse as ``[H_q, T_q]``
+float32 (natural log), which is every backend's contract here. So a forward on FA4 can feed a
+backward on another backend and back.
+
+The package is optional and imported on first use only: :func:`available` asks
+``importlib`` whether it is installed without importing it, and ``import doc_packed`` never
+imports ``flash_attn``. Both passes call FA4's private ``_flash_attn_fwd`` / ``_flash_attn_bwd``
+(no autograd.Function: the op's own autograd already saved ``out`` and ``lse``), by keyword;
+the import checks they exist and take those keywords, and raises :class:`Unavailable` naming
+the module otherwise. Inputs FA4 cannot take are caught by :func:`unsupported_reason` before
+any FA4 code runs, so its ``assert`` statements never fire on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import os
+
+import torch
+
+from .spec import VarlenSpec
+
+MODULE = "flash_attn.cute.interface"
+PACKAGE = "flash-attn-4"
+INSTALL_HINT = "pip install 'doc-packed[fa4]'"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+ARCHS = (9, 10)  # compute capability majors: Hopper, Blackwell (datacenter)
+_MAX_GQA = 128
+
+_FWD_KEYWORDS = (
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+    "window_size_left", "window_size_right", "return_lse",
+)
+_BWD_KEYWORDS = (
+    "softmax_scale", "causal", "window_size_left", "window_size_right", "cu_seqlens_q",
+    "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+)
+
+
+class Unavailable(RuntimeError):
+    """FA4 is installed but its interface cannot be imported or has moved."""
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``flash_attn/cute/interface.py`` is installed (nothing is imported)."""
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        return False
+    paths = getattr(spec, "submodule_search_locations", None) or ()
+    return any(os.path.isfile(os.path.join(p, "cute", "interface.py")) for p in paths)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def head_dim_rule(major: int) -> str:
+    return "% 8 == 0 and 8..256" if major == 9 else "% 8 == 0 and 8..128, or 256"
+
+
+def _head_dim_ok(d: int, major: int) -> bool:
+    if d % 8:
+        return False
+    return 8 <= d <= 256 if major == 9 else (8 <= d <= 128 or d == 256)
+
+
+def unsupported_reason(q: torch.Tensor, kv_heads: int | None = None) -> str | None:
+    """Why FA4 cannot take ``q`` (``[T, H, D]`` or ``[B, S, H, D]``) with ``kv_heads`` K/V heads.
+
+    None when it can. ``kv_heads`` None skips the GQA rule (not known yet).
+    """
+    if q.device.type != "cuda":
+        return f"needs a CUDA tensor, got {q.device.type}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"needs float16/bfloat16, got {q.dtype}"
+    major, minor = _capability(q.device.index if q.device.index is not None else 0)
+    if major not in ARCHS:
+        return f"needs compute capability 9.x or 10.x, got {major}.{minor}"
+    d = q.shape[-1]
+    if not _head_dim_ok(d, major):
+        return f"needs head dim {head_dim_rule(major)} on compute capability {major}.x, got {d}"
+    if kv_heads is not None:
+        ratio = q.shape[-2] // kv_heads
+        if ratio > _MAX_GQA or ratio & (ratio - 1):
+            return (
+                f"needs q heads / kv heads a power of two <= {_MAX_GQA}, got "
+                f"{q.shape[-2]} / {kv_heads}"
+            )
+    if not available():
+        return f"needs the {PACKAGE} package ({INSTALL_HINT})"
+    return None
+
+
+def window(spec: VarlenSpec) -> tuple[int | None, int | None]:
+    """The spec's ``(left, right)`` in FA4's form: -1 (unbounded) becomes None.
+
+    With ``causal`` the spec's right is 0, which FA4 reads as causal (plain or with a left
+    window); a non-causal ``(-1, 0)`` is the same mask as causal, and FA4 treats it so.
+    """
+    return (None if spec.left < 0 else spec.left, None if spec.right < 0 else spec.right)
+
+
+@functools.cache
+def _interface():
+    """FA4's ``(_flash_attn_fwd, _flash_attn_bwd)``, imported once, with the keywords we pass."""
+    try:
+        mod = importlib.import_module(MODULE)
+    except Exception as err:  # ImportError, or the CuTe DSL failing to load its runtime
+        raise Unavailable(
+            f"cannot import {MODULE} ({type(err).__name__}: {err}); {INSTALL_HINT}"
+        ) from err
+    fns = []
+    for name, keywords in (("_flash_attn_fwd", _FWD_KEYWORDS), ("_flash_attn_bwd", _BWD_KEYWORDS)):
+        fn = getattr(mod, name, None)
+        if fn is None:
+            raise Unavailable(f"{MODULE} has no {name}; doc-packed is tested with {PACKAGE} 4.0.0b36")
+        params = inspect.signature(fn).parameters
+        missing = [k for k in keywords if k not in params]
+        if missing:
+            raise Unavailable(
+                f"{MODULE}.{name} takes no {', '.join(missing)}; doc-packed is tested with "
+                f"{PACKAGE} 4.0.0b36"
+            )
+        fns.append(fn)
+    return tuple(fns)
+
+
+def _args(spec: VarlenSpec, q: torch.Tensor, scale: float) -> dict:
+    cu_q, cu_k = spec.cu_tensors(q.device)
+    left, right = window(spec)
+    return {
+        "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+        "max_seqlen_q": spec.max_q, "max_seqlen_k": spec.max_k,
+        "softmax_scale": scale, "causal": spec.causal,
+        "window_size_left": left, "window_size_right": right,
+    }
+
+
+def forward(
+    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
+    fwd, _ = _interface()
+    out, lse, *_ = fwd(q, k, v, return_lse=True, **_args(spec, q, scale))
+    return out, lse
+
+
+def backward(
+    spec: VarlenSpec,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the saved ``out`` (q's dtype) and natural-log ``lse [H_q, T_q]``."""
+    _, bwd = _interface()
+    dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale))[:3]
+    return dq, dk, dv
