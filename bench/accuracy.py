@@ -4,11 +4,13 @@ Runs the grid of tests/test_gpu.py through the same code (``tests/gpu_parity.py`
 and two windows; GQA 1, 4 and 8; one document, random layouts with zero-length and 1-token
 documents, two rows) and prints, per backend and dtype, the largest relative Frobenius error
 of out, dq, dk, dv and the largest lse abs error: the numbers behind the tolerances the tests
-assert. Usage: ``python bench/accuracy.py``.
+assert. Usage: ``python bench/accuracy.py [--backends fa4,flash]`` (default: every CUDA
+backend; fa4 only where FA4 is usable).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
@@ -23,10 +25,21 @@ KEYS = ("out", "lse", "dq", "dk", "dv")
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="fa4,flash,flex,math", help="comma-separated")
+    args = ap.parse_args()
+    from doc_packed.kernels import fa4
+
     S = 384
     grid = layouts(random.Random(7), S)
-    runs = [("flash", torch.bfloat16), ("flash", torch.float16), ("flex", torch.bfloat16),
+    runs = [("fa4", torch.bfloat16), ("fa4", torch.float16),
+            ("flash", torch.bfloat16), ("flash", torch.float16), ("flex", torch.bfloat16),
             ("flex", torch.float16), ("flex", torch.float32), ("math", torch.float32)]
+    runs = [r for r in runs if r[0] in args.backends.split(",")]
+    why = fa4.unsupported_reason(torch.empty(0, 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16), 2)
+    if why is not None:
+        print(f"fa4 skipped: {why}")
+        runs = [r for r in runs if r[0] != "fa4"]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  S={S} D={HEAD_DIM} B=2\n")
     print("| backend | dtype | out | lse (abs) | dq | dk | dv |\n|---|---|---|---|---|---|---|")
     for backend, dtype in runs:

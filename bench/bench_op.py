@@ -18,6 +18,13 @@ TFLOP/s use causal FLOPs: forward ``4 * pairs * Hq * D``, forward+backward 3.5x 
 (flash-attention's convention), pairs = visible (query, key) pairs. The last column is ours
 over the faster raw kernel. Usage:
 ``python bench/bench_op.py [--sizes 16384,65536] [--layouts ...] [--json out.json]``.
+
+``--fa4`` runs the FlashAttention-4 grid instead (see :func:`fa4_cells`): raw FA4
+(``flash_attn.cute.flash_attn_varlen_func`` on ``[B*S, H, D]`` views of the same tensors, offsets
+and max length computed outside the timed region) against ``ours`` (``backend="auto"``, which
+runs fa4 where FA4 is usable; the backend it ran is recorded), forward and forward+backward,
+**synchronised after every call** (so host cost per call counts), plus the host cost per call
+at S = 1024 (a launch loop, one sync at the end). Ratio = raw FA4 time / ours.
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ LAYOUTS = {
 DEFAULT_LAYOUTS = ("one doc", "uniform 2k", "lognormal 1.4k")
 
 
-def bench(fn, warmup=5, iters=20) -> float:
+def bench(fn, warmup=5, iters=20, sync=False) -> float:
     """Median milliseconds of ``fn`` on the GPU, the host running ahead (as in training).
 
     Each call is bracketed by CUDA events but nothing synchronises between calls (triton's
     ``do_bench`` method), so host work overlaps the previous call's kernels and shows only
     where the host cannot keep up. Host cost per call is measured by bench_overhead.py.
+    ``sync=True`` synchronises after every call: the time then includes the host's launch work.
     """
     for _ in range(warmup):
         fn()
@@ -63,6 +71,8 @@ def bench(fn, warmup=5, iters=20) -> float:
         a.record()
         fn()
         b.record()
+        if sync:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     times = sorted(a.elapsed_time(b) for a, b in events)
     return times[len(times) // 2]
@@ -173,12 +183,181 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- FA4 grid
+
+
+def fa4_cells(sizes: list[int]) -> list[dict]:
+    """The FA4 grid: causal GQA 4:1 D 128 over sizes and layouts, then at 16k one document and
+    lognormal mean 2k: full (non-causal), a (1024, 0) window, GQA 1:1, D 64."""
+    base = dict(causal=True, window=(-1, -1), heads=(32, 8), D=128)
+    layouts = ("one doc", "uniform 2k", "lognormal 2k", "lognormal 512")
+    cells = [dict(base, S=S, layout=name) for S in sizes for name in layouts]
+    for S in [x for x in sizes if x > 65536]:  # long rows: packed layouts only (one doc: minutes)
+        cells = [c for c in cells if not (c["S"] == S and c["layout"] == "one doc")]
+    for change in (dict(causal=False), dict(window=(1024, 0)), dict(heads=(32, 32)), dict(D=64)):
+        cells += [dict(base, S=16384, layout=name, **change) for name in ("one doc", "lognormal 2k")]
+    return cells
+
+
+FA4_LAYOUTS = {
+    "one doc": lambda S: [S],
+    "uniform 2k": lambda S: [2048] * (S // 2048),
+    "lognormal 2k": lambda S: lognormal_lengths(S, 2048),
+    "lognormal 512": lambda S: lognormal_lengths(S, 512),
+}
+
+
+def _raw_fa4(q, k, v, cu, max_len, causal, window):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    win = tuple(None if w < 0 else w for w in window)
+    return lambda: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        causal=causal, window_size=win,
+    )
+
+
+def run_fa4(cell: dict) -> dict:
+    """Raw FA4 and ours on one cell, forward and forward+backward, synchronised per call."""
+    from doc_packed import env
+
+    S, (Hq, Hkv), D, causal, window = cell["S"], cell["heads"], cell["D"], cell["causal"], cell["window"]
+    lengths = FA4_LAYOUTS[cell["layout"]](S)
+    q, k, v, dout, cu = random_attention_problem(lengths, S, (Hq, Hkv), D, torch.bfloat16, "cuda", seed=0)
+    flat_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    left, right = window[0], (0 if causal else window[1])
+    pairs = sum(doc_pairs(n, causal, left, right) for n in lengths)
+    fwd_flop = 4 * pairs * Hq * D
+    res = dict(cell, docs=len(lengths), ran=env.backend_for(q, k, cu, causal=causal, window_size=window))
+
+    def flat(t):
+        return t.view(S, *t.shape[2:])
+
+    makers = {
+        "fa4": lambda a, b, c: _raw_fa4(flat(a), flat(b), flat(c), flat_cu, max(lengths), causal, window),
+        "ours": lambda a, b, c: (
+            lambda: dp.doc_packed_attn(a, b, c, cu, causal=causal, window_size=window)
+        ),
+    }
+    for label, mk in list(makers.items()) * REPEATS:
+        try:
+            with torch.no_grad():
+                f_ms = bench(mk(q, k, v), sync=True)
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            f = mk(qq, kk, vv)
+
+            def step():
+                out = f()
+                out = out[0] if isinstance(out, tuple) else out
+                torch.autograd.backward(out, dout.view_as(out))
+
+            fb_ms = bench(step, sync=True)
+        except Exception as e:  # report, keep going
+            res[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        prev = res.get(label, {})
+        f_ms, fb_ms = min(f_ms, prev.get("fwd_ms", math.inf)), min(fb_ms, prev.get("fwdbwd_ms", math.inf))
+        res[label] = {
+            "fwd_ms": f_ms, "fwdbwd_ms": fb_ms,
+            "fwd_tflops": fwd_flop / f_ms / 1e9, "fwdbwd_tflops": 3.5 * fwd_flop / fb_ms / 1e9,
+        }
+    return res
+
+
+def fa4_host_cost(calls: int = 200) -> dict:
+    """Host microseconds per call at S = 1024 (GPU work negligible): a launch loop of
+    ``calls`` calls with one sync at the end, raw FA4 vs ours, forward and forward+backward."""
+    S, lengths = 1024, [1024]
+    q, k, v, dout, cu = random_attention_problem(lengths, S, (32, 8), 128, torch.bfloat16, "cuda", seed=0)
+    flat_cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+    out = {}
+    for label in ("fa4", "ours") * REPEATS:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        if label == "fa4":
+            f = _raw_fa4(qq.view(S, 32, 128), kk.view(S, 8, 128), vv.view(S, 8, 128), flat_cu, S, True, (-1, -1))
+        else:
+            f = lambda: dp.doc_packed_attn(qq, kk, vv, cu)  # noqa: E731
+
+        def fwd():
+            with torch.no_grad():
+                f()
+
+        def fwdbwd():
+            o = f()
+            o = o[0] if isinstance(o, tuple) else o
+            torch.autograd.backward(o, dout.view_as(o))
+
+        for name, fn in (("fwd_us", fwd), ("fwdbwd_us", fwdbwd)):
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - t0) / calls * 1e6
+            out.setdefault(label, {})[name] = min(us, out.get(label, {}).get(name, math.inf))
+    return out
+
+
+def fa4_table(rows, host) -> str:
+    lines = [
+        "| S | layout | docs | mask | Hq/Hkv | D | ran | FA4 fwd ms | ours fwd ms | fwd ratio "
+        "| ours fwd TFLOP/s | FA4 f+b ms | ours f+b ms | f+b ratio | ours f+b TFLOP/s |",
+        "|" + "---|" * 15,
+    ]
+    for r in rows:
+        raw, ours = r.get("fa4", {}), r.get("ours", {})
+        if "fwd_ms" not in raw or "fwd_ms" not in ours:
+            lines.append(f"| {r['S'] // 1024}k | {r['layout']} | error: {raw.get('error') or ours.get('error')} |")
+            continue
+        mask = ("causal" if r["causal"] else "full") + ("" if r["window"] == (-1, -1) else f" {tuple(r['window'])}")
+        cells = [
+            f"{r['S'] // 1024}k", r["layout"], str(r["docs"]), mask, f"{r['heads'][0]}/{r['heads'][1]}",
+            str(r["D"]), r["ran"],
+            f"{raw['fwd_ms']:.3f}", f"{ours['fwd_ms']:.3f}", f"{raw['fwd_ms'] / ours['fwd_ms']:.3f}x",
+            f"{ours['fwd_tflops']:.0f}",
+            f"{raw['fwdbwd_ms']:.3f}", f"{ours['fwdbwd_ms']:.3f}",
+            f"{raw['fwdbwd_ms'] / ours['fwdbwd_ms']:.3f}x", f"{ours['fwdbwd_tflops']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if host:
+        lines += [
+            "\nhost us per call at S=1024 (launch loop, one sync at the end)\n",
+            "| variant | fwd us | f+b us |", "|---|---|---|",
+            *(f"| {k} | {v['fwd_us']:.0f} | {v['fwdbwd_us']:.0f} |" for k, v in host.items()),
+        ]
+    return "\n".join(lines)
+
+
+def main_fa4(args) -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version("flash-attn-4")
+    rows = []
+    for cell in fa4_cells([int(x) for x in args.sizes.split(",")]):
+        rows.append(run_fa4(cell))
+        print(json.dumps(rows[-1]), flush=True)
+    host = fa4_host_cost()
+    print(json.dumps({"host": host}), flush=True)
+    print(f"\ndevice: {torch.cuda.get_device_name()}  torch {torch.__version__}  flash-attn-4 {version}  bf16 B=1")
+    print("synchronised after every call; TFLOP/s count visible pairs (fwd x1, f+b x3.5); ratio = raw FA4 ms / ours ms\n")
+    print(fa4_table(rows, host))
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flash_attn_4": version}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "host_us": host}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16384,65536", help="comma-separated row lengths")
     ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
     ap.add_argument("--json", default=None, help="write raw results here")
+    ap.add_argument("--fa4", action="store_true", help="the FlashAttention-4 grid (see fa4_cells)")
     args = ap.parse_args()
+    if args.fa4:
+        return main_fa4(args)
     rows = []
     for S in (int(x) for x in args.sizes.split(",")):
         for name in args.layouts.split(","):

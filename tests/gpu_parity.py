@@ -32,14 +32,14 @@ def layouts(rng: random.Random, S: int) -> list[list[list[int]]]:
     ]
 
 
-def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed) -> dict:
+def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed, head_dim=HEAD_DIM) -> dict:
     """Errors of one CUDA forward+backward: ``out``, ``dq``, ``dk``, ``dv`` (relative), ``lse``
     (max abs), plus ``finite`` (no inf/NaN in out or grads) and ``out_dtype``."""
     cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
     Hq, Hkv = heads
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(len(lengths), S, h, HEAD_DIM, generator=g) for h in (Hq, Hkv, Hkv))
-    dout = torch.randn(len(lengths), S, Hq, HEAD_DIM, generator=g)
+    q, k, v = (torch.randn(len(lengths), S, h, head_dim, generator=g) for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(len(lengths), S, Hq, head_dim, generator=g)
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
     ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())

@@ -1,9 +1,10 @@
-"""CUDA tests (skipped without a GPU): flash and flex paths against the float64 oracle.
+"""CUDA tests (skipped without a GPU): flash, flex and FA4 paths against the float64 oracle.
 
 Tolerances (documented in docs/kernels.md): relative Frobenius error
 ``||x - ref|| / ||ref||`` <= 1e-2 for outputs and 2e-2 for gradients in bf16 (4e-3 / 8e-3 in
 fp16), lse max abs error <= 2e-2; float32 runs the exact blockwise kernel (<= 1e-5) or, forced,
-flex's Triton kernel (<= 1e-4).
+flex's Triton kernel (<= 1e-4). The FA4 tests skip where FA4 cannot run (not installed, or
+not compute capability 9.x/10.x) and say why.
 """
 
 import random
@@ -15,6 +16,19 @@ import doc_packed as dp
 from gpu_parity import HEADS, MASKS, layouts, parity_errors, rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _fa4_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from doc_packed.kernels import fa4
+
+    return fa4.unsupported_reason(torch.empty(0, 8, 64, device="cuda", dtype=torch.bfloat16), 2)
+
+
+FA4_WHY_NOT = _fa4_reason()
+needs_fa4 = pytest.mark.skipif(FA4_WHY_NOT is not None, reason=f"FA4 {FA4_WHY_NOT}")
+FA4_PARAM = pytest.param("fa4", marks=needs_fa4)
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
@@ -33,10 +47,84 @@ def _check_parity(lengths, S, heads, causal, window, dtype, backend, tol, seed):
 @pytest.mark.parametrize("causal,window", MASKS)
 @pytest.mark.parametrize("heads", HEADS)
 def test_cuda_parity(dtype, causal, window, heads):
-    # S = 333 is not a multiple of 128: auto runs flash (fp16/bf16) or math (fp32)
+    # flash for fp16/bf16 (forced: auto would run fa4 where it is installed), auto = math for fp32
+    backend = "auto" if dtype == torch.float32 else "flash"
     rng = random.Random(7)
     for lengths in layouts(rng, 333):
-        _check_parity(lengths, 333, heads, causal, window, dtype, "auto", TOL[dtype], seed=1)
+        _check_parity(lengths, 333, heads, causal, window, dtype, backend, TOL[dtype], seed=1)
+
+
+@needs_fa4
+@pytest.mark.parametrize(
+    "dtype,heads,head_dim",
+    [(torch.bfloat16, (8, 8), 64), (torch.bfloat16, (8, 2), 64), (torch.bfloat16, (8, 1), 64),
+     (torch.float16, (8, 2), 64), (torch.bfloat16, (8, 2), 128)],
+)
+def test_fa4_parity(dtype, heads, head_dim):
+    # GQA 1/4/8, D 64/128, every mask; B = 2 with zero-length and 1-token documents
+    rng = random.Random(11)
+    for causal, window in MASKS:
+        for lengths in layouts(rng, 333):
+            e = parity_errors(lengths, 333, heads, causal, window, dtype, "fa4", 3, head_dim)
+            assert e["out_dtype"] == dtype and e["finite"]
+            assert e["out"] <= TOL[dtype] and e["lse"] <= 2e-2
+            for name in ("dq", "dk", "dv"):
+                assert e[name] <= 2 * TOL[dtype], (name, e, causal, window, lengths)
+
+
+@needs_fa4
+def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
+    from doc_packed import kernels
+    from doc_packed.kernels.spec import VarlenSpec
+
+    # a chunk of queries against a longer key range, one segment with no keys; row_len None
+    # (a context-parallel call): auto runs fa4 there too
+    spec = VarlenSpec([0, 128, 256, 512], [0, 384, 384, 768], True, -1, 0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(768, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    assert kernels.choose("auto", spec, q, 2) == "fa4"
+    ref = kernels.forward(spec, q.double().cpu(), k.double().cpu(), v.double().cpu(), 0.125, "math")
+    out, lse = kernels.forward(spec, q, k, v, 0.125, "fa4")
+    assert lse.dtype == torch.float32 and lse.shape == (8, 512)
+    assert (out[128:256] == 0).all() and (lse[:, 128:256] == -float("inf")).all()
+    live = torch.ones(512, dtype=torch.bool)
+    live[128:256] = False
+    assert rel(out[live].cpu(), ref[0][live]) <= 1e-2
+    assert (lse[:, live].cpu().double() - ref[1][:, live]).abs().max().item() <= 2e-2
+    grads = kernels.backward(spec, dout, q, k, v, out, lse, 0.125, "fa4")
+    assert all(torch.isfinite(x).all() for x in grads)
+    want = kernels.backward(spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(),
+                            v.double().cpu(), *ref, 0.125, "math")
+    for a, b in zip(grads, want):
+        assert rel(a.cpu(), b) <= 2e-2
+    # (out, lse) of one backend drive another's backward, both ways (flex: tested against flash)
+    for other in ("flash",):
+        fo, fl = kernels.forward(spec, q, k, v, 0.125, other)
+        assert rel(fo[live], out[live]) <= 1e-2
+        for a, b in zip(kernels.backward(spec, dout, q, k, v, fo, fl, 0.125, "fa4"), grads):
+            assert rel(a, b) <= 2e-2
+        for a, b in zip(kernels.backward(spec, dout, q, k, v, out, lse, 0.125, other), grads):
+            assert rel(a, b) <= 2e-2
+
+
+@needs_fa4
+def test_fa4_rules_raise_before_the_kernel():
+    cu = dp.cu_seqlens_from_lengths([[120]], 120).cuda()  # not % 128: auto never compiles flex
+    q = torch.randn(1, 120, 6, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend='fa4' needs float16/bfloat16, got torch.float32"):
+        dp.doc_packed_attn(q.float(), q.float(), q.float(), cu, backend="fa4")
+    with pytest.raises(ValueError, match="backend='fa4' needs head dim"):
+        q12 = torch.randn(1, 120, 4, 12, device="cuda", dtype=torch.bfloat16)
+        dp.doc_packed_attn(q12, q12, q12, cu, backend="fa4")
+    kv = q[:, :, :2]
+    with pytest.raises(ValueError, match="backend='fa4' needs q heads / kv heads a power of two"):
+        dp.doc_packed_attn(q, kv, kv, cu, backend="fa4")
+    from doc_packed import env
+
+    assert env.backend_for(q, kv, cu) != "fa4"  # auto: GQA 3:1 goes elsewhere
+    out = dp.doc_packed_attn(q, kv, kv, cu)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -76,7 +164,7 @@ def test_flex_context_parallel_shape_empty_rows_and_mixed_passes():
         assert rel(a, b) <= 2e-2
 
 
-@pytest.mark.parametrize("backend", ["auto", "flash", "flex"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "flex", FA4_PARAM])
 def test_backend_no_sync_after_first_call(backend):
     from doc_packed import kernels
     from doc_packed.ops import local_spec
@@ -88,8 +176,8 @@ def test_backend_no_sync_after_first_call(backend):
     k = torch.randn(1, S, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     spec = local_spec(get_layout(cu, S), True, -1, 0)
-    want = {"auto": "flex", "flash": "flash", "flex": "flex"}[backend]
-    assert kernels.choose(backend, spec, q.view(S, 16, 128)) == want
+    want = {"auto": "flex" if FA4_WHY_NOT else "fa4"}.get(backend, backend)
+    assert kernels.choose(backend, spec, q.view(S, 16, 128), 4) == want
     dp.doc_packed_attn(q, k, v, cu, backend=backend).sum().backward()  # first call: reads cu once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -100,7 +188,7 @@ def test_backend_no_sync_after_first_call(backend):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("backend", ["flash", "flex"])
+@pytest.mark.parametrize("backend", ["flash", "flex", FA4_PARAM])
 def test_cuda_compile_fullgraph(backend):
     S = 1024
     cu = dp.cu_seqlens_from_lengths([[300, 724]], S).cuda()
