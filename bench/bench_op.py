@@ -21,7 +21,8 @@ over the faster raw kernel. Usage:
 
 ``--fa4`` runs the FlashAttention-4 grid instead (see :func:`fa4_cells`): raw FA4
 (``flash_attn.cute.flash_attn_varlen_func`` on ``[B*S, H, D]`` views of the same tensors, offsets
-and max length computed outside the timed region) against ``ours`` (``backend="auto"``, which
+and max length computed outside the timed region; ``fa4-lse`` also returns lse, as our op always
+does) against ``ours`` (``backend="auto"``, which
 runs fa4 where FA4 is usable; the backend it ran is recorded), forward and forward+backward,
 **synchronised after every call** (so host cost per call counts), plus the host cost per call
 at S = 1024 (a launch loop, one sync at the end). Ratio = raw FA4 time / ours.
@@ -207,13 +208,13 @@ FA4_LAYOUTS = {
 }
 
 
-def _raw_fa4(q, k, v, cu, max_len, causal, window):
+def _raw_fa4(q, k, v, cu, max_len, causal, window, return_lse=False):
     from flash_attn.cute import flash_attn_varlen_func
 
     win = tuple(None if w < 0 else w for w in window)
     return lambda: flash_attn_varlen_func(
         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
-        causal=causal, window_size=win,
+        causal=causal, window_size=win, return_lse=return_lse,
     )
 
 
@@ -235,14 +236,21 @@ def run_fa4(cell: dict) -> dict:
 
     makers = {
         "fa4": lambda a, b, c: _raw_fa4(flat(a), flat(b), flat(c), flat_cu, max(lengths), causal, window),
+        # like-for-like: our op always computes lse (its backward needs it)
+        "fa4-lse": lambda a, b, c: _raw_fa4(
+            flat(a), flat(b), flat(c), flat_cu, max(lengths), causal, window, return_lse=True
+        ),
         "ours": lambda a, b, c: (
             lambda: dp.doc_packed_attn(a, b, c, cu, causal=causal, window_size=window)
         ),
     }
-    for label, mk in list(makers.items()) * REPEATS:
+    # synchronised per call (the goal's method), then the host running ahead (GPU time alone)
+    variants = [(name, mk, True) for name, mk in makers.items()]
+    variants += [(f"{name}-nosync", makers[name], False) for name in ("fa4", "ours")]
+    for label, mk, sync in variants * REPEATS:
         try:
             with torch.no_grad():
-                f_ms = bench(mk(q, k, v), sync=True)
+                f_ms = bench(mk(q, k, v), sync=sync)
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             f = mk(qq, kk, vv)
 
@@ -251,7 +259,7 @@ def run_fa4(cell: dict) -> dict:
                 out = out[0] if isinstance(out, tuple) else out
                 torch.autograd.backward(out, dout.view_as(out))
 
-            fb_ms = bench(step, sync=True)
+            fb_ms = bench(step, sync=sync)
         except Exception as e:  # report, keep going
             res[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue
@@ -301,26 +309,28 @@ def fa4_host_cost(calls: int = 200) -> dict:
 
 
 def fa4_table(rows, host) -> str:
-    lines = [
-        "| S | layout | docs | mask | Hq/Hkv | D | ran | FA4 fwd ms | ours fwd ms | fwd ratio "
-        "| ours fwd TFLOP/s | FA4 f+b ms | ours f+b ms | f+b ratio | ours f+b TFLOP/s |",
-        "|" + "---|" * 15,
-    ]
-    for r in rows:
-        raw, ours = r.get("fa4", {}), r.get("ours", {})
-        if "fwd_ms" not in raw or "fwd_ms" not in ours:
-            lines.append(f"| {r['S'] // 1024}k | {r['layout']} | error: {raw.get('error') or ours.get('error')} |")
-            continue
-        mask = ("causal" if r["causal"] else "full") + ("" if r["window"] == (-1, -1) else f" {tuple(r['window'])}")
-        cells = [
-            f"{r['S'] // 1024}k", r["layout"], str(r["docs"]), mask, f"{r['heads'][0]}/{r['heads'][1]}",
-            str(r["D"]), r["ran"],
-            f"{raw['fwd_ms']:.3f}", f"{ours['fwd_ms']:.3f}", f"{raw['fwd_ms'] / ours['fwd_ms']:.3f}x",
-            f"{ours['fwd_tflops']:.0f}",
-            f"{raw['fwdbwd_ms']:.3f}", f"{ours['fwdbwd_ms']:.3f}",
-            f"{raw['fwdbwd_ms'] / ours['fwdbwd_ms']:.3f}x", f"{ours['fwdbwd_tflops']:.0f}",
+    """Per cell and pass: raw FA4, raw FA4 returning lse, ours (ms, synchronised per call), ours
+    over each (raw ms / our ms), ours/FA4 with the host running ahead, our TFLOP/s (synced)."""
+    lines = []
+    for pass_, title in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        lines += [
+            f"\n{title} (ms per call, synchronised after every call)\n",
+            "| S | layout | docs | mask | Hq/Hkv | D | ran | FA4 | FA4+lse | ours | ours/FA4 "
+            "| ours/FA4+lse | ours/FA4 no sync | ours TFLOP/s |",
+            "|" + "---|" * 14,
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        key = f"{pass_}_ms"
+        for r in rows:
+            v = {lbl: r.get(lbl, {}).get(key, math.nan) for lbl in ("fa4", "fa4-lse", "ours", "fa4-nosync", "ours-nosync")}
+            mask = ("causal" if r["causal"] else "full") + ("" if tuple(r["window"]) == (-1, -1) else f" {tuple(r['window'])}")
+            cells = [
+                f"{r['S'] // 1024}k", r["layout"], str(r["docs"]), mask, f"{r['heads'][0]}/{r['heads'][1]}",
+                str(r["D"]), r["ran"], f"{v['fa4']:.3f}", f"{v['fa4-lse']:.3f}", f"{v['ours']:.3f}",
+                f"{v['fa4'] / v['ours']:.3f}x", f"{v['fa4-lse'] / v['ours']:.3f}x",
+                f"{v['fa4-nosync'] / v['ours-nosync']:.3f}x",
+                f"{r.get('ours', {}).get(pass_ + '_tflops', math.nan):.0f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     if host:
         lines += [
             "\nhost us per call at S=1024 (launch loop, one sync at the end)\n",
