@@ -6,8 +6,14 @@ placement, and trains a few SGD steps on packed documents:
 - ``auto``: no constraints; the solver picks input, activation and attention placements;
 - ``dp``: inputs and outputs Shard(0), attention forced to "batch";
 - ``cp``: inputs and outputs Shard(1), attention forced to "sequence".
+The placed module is compiled with :func:`shardings.compile.compile_placed` (``--compile``:
+``auto`` by default, ``eager`` for AutoParallel's uncompiled runner). Rank 0 also trains the
+plain model (no AutoParallel) on one GPU, one row of ``S`` tokens, eager and compiled: the
+anchor. Each mode reports tokens/s, tokens/s per GPU over the anchor's tokens/s, and MFU =
+model FLOPs (:func:`doc_packed.examples.training_flops`, attention pairs of the real layouts)
+/ (step time x GPUs x ``--peak-tflops``).
 Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
-Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--cpu-dry-run]``.
+Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer, lognormal_lengths  # noqa: E402
+from doc_packed.examples import Transformer, lognormal_lengths, training_flops  # noqa: E402
 
 
 def solved_input_placements(autop, placement):
@@ -50,21 +56,69 @@ MODES = {
 }
 
 
-def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
+def make_batches(n, cfg, B, S, mean_doc, device):
+    """``n`` steps of (tokens, targets, cu_seqlens): lognormal documents, a new layout per step."""
+    batches = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, cfg["vocab"], (B, S), generator=g)
+        targets = torch.randint(0, cfg["vocab"], (B, S), generator=g)
+        cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=S // 8)
+        batches.append((tokens.to(device), targets.to(device), cu.to(device)))
+    return batches
+
+
+def step_flops(cfg, batches, S) -> float:
+    """Mean model FLOPs per step over ``batches``."""
+    with torch.device("meta"):
+        model = Transformer(**cfg)
+    return sum(training_flops(model, cu, S) for _, _, cu in batches) / len(batches)
+
+
+def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
+    """The plain model on this one device, one row of S tokens: seconds per step, eager and compiled."""
+    torch.manual_seed(0)
+    model = Transformer(**cfg).to(device=device, dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = make_batches(warmup + steps, cfg, 1, S, mean_doc, device)
+    out = {}
+    for kind, m in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
+        def step(i):
+            tokens, targets, cu = batches[i]
+            loss = torch.nn.functional.cross_entropy(m(tokens, cu).flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for i in range(warmup):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out[f"{kind}_step_s"] = (time.perf_counter() - t0) / steps
+        out[f"{kind}_tokens_per_s"] = S / out[f"{kind}_step_s"]
+    out["flops"] = step_flops(cfg, batches[warmup:], S)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend):
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
 
+    from shardings.compile import compile_placed
+
     rank, world = dist.get_rank(), dist.get_world_size()
     max_docs = S // 8
-    batches = []
-    for step in range(warmup + steps):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, cfg["vocab"], (B, S), generator=g)
-        targets = torch.randint(0, cfg["vocab"], (B, S), generator=g)
-        cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=max_docs)
-        batches.append((tokens.to(device), targets.to(device), cu.to(device)))
+    batches = make_batches(warmup + steps, cfg, B, S, mean_doc, device)
 
     def input_fn():
         return (torch.randint(0, cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
@@ -95,6 +149,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     with torch.no_grad():
         for p in parallel.parameters():
             p.to_local().normal_(0, 0.02)
+    model, choice = compile_placed(parallel, compile_backend)
     opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
     out_pl = tok_pl if tok_words is not None else None
@@ -103,7 +158,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
         tokens, targets, cu = batches[i]
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
         lc = distribute_tensor(cu, mesh, cu_pl).to_local()
-        logits = parallel(lt, lc)
+        logits = model(lt, lc)
         # the logits come out in the tokens' placement (constrained), or were left to the solver
         # on a 1-D mesh: then tell batch from sequence sharding by the local shape
         if out_pl is not None:
@@ -120,8 +175,10 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    t0 = time.perf_counter()
     for i in range(warmup):
         step(i)
+    first_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
@@ -134,7 +191,8 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup):
     dt = (time.perf_counter() - t0) / steps
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
-    res = dict(mode=mode, step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, loss=float(loss), attention=layout,
+    res = dict(mode=mode, compile=str(choice), step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, warmup_s=first_s,
+               flops=step_flops(cfg, batches[warmup:], S), loss=float(loss), attention=layout,
                inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
                cp=[c.cp for c in choices if c.cp][:1])
     if device.type == "cuda":
@@ -158,10 +216,16 @@ def worker(rank, world, port, args):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else (world,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(args.names.split(",")))
+    anchor = None
+    if rank == 0 and not args.no_anchor:
+        anchor = plain_anchor(cfg, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup)
+        print(json.dumps(dict(anchor=anchor)), flush=True)
+    dist.barrier()
     rows = []
     for mode in args.modes.split(","):
         try:
-            r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup)
+            r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
+                         args.compile)
         except Exception as e:  # report and go on with the next mode
             import traceback
 
@@ -170,18 +234,29 @@ def worker(rank, world, port, args):
             print(json.dumps(r), flush=True)
         rows.append(r)
     if rank == 0:
+        peak = args.peak_tflops * 1e12
         print(f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}")
         print(f"model: {cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
-        print(f"mesh: {tuple(mesh.shape)} {mesh.mesh_dim_names}")
-        print("| mode | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | vs dp |")
-        print("|---|---|---|---|---|---|")
+        print(f"mesh: {tuple(mesh.shape)} {mesh.mesh_dim_names}; MFU peak {args.peak_tflops:g} TFLOP/s per GPU")
+        if anchor:
+            for kind in ("eager", "compiled"):
+                print(f"one GPU, plain model {kind}: [1, {args.seq}] {anchor[kind + '_step_s']:.3f} s/step, "
+                      f"{anchor[kind + '_tokens_per_s']:.0f} tokens/s, MFU {anchor['flops'] / anchor[kind + '_step_s'] / peak:.2f}")
+        print("| mode | compile | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | per GPU vs plain eager "
+              "| vs plain compiled | MFU | vs dp |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         base = next((r["tokens_per_s"] for r in rows if r.get("mode") == "dp" and "tokens_per_s" in r), None)
         for r in rows:
             if "error" in r:
-                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | |")
+                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | | | |")
                 continue
             rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-            print(f"| {r['mode']} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {rel} |")
+            per_gpu = r["tokens_per_s"] / world
+            vs = [f"{per_gpu / anchor[k + '_tokens_per_s']:.2f}" if anchor else "-" for k in ("eager", "compiled")]
+            mfu = r["flops"] / r["step_s"] / (world * peak)
+            print(f"| {r['mode']} | {r['compile'].split(':')[0]} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
+                  f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {vs[0]} | {vs[1]} | {mfu:.2f} | {rel} |")
+        rows.insert(0, dict(anchor=anchor, world=world, peak_tflops=args.peak_tflops))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -202,6 +277,9 @@ def main():
     ap.add_argument("--modes", default="auto,dp,cp", help=f"any of {sorted(MODES)}")
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 2,2 (default: 1-D of all GPUs)")
     ap.add_argument("--names", default="x", help="mesh dim names, e.g. dp,cp")
+    ap.add_argument("--compile", default="auto", help="compile_placed backend: auto, autoparallel, inductor, eager")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU (H100/H200: 989)")
+    ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()

@@ -6,7 +6,9 @@ Spawns CPU processes with a gloo group, packs random documents of arbitrary leng
 and trains a small transformer whose attention runs context parallel (each rank holds a
 ``torch.chunk`` of every row). With AutoParallel installed, AutoParallel places the model and
 chooses the attention layout; otherwise the demo shards the sequence itself. A one-process run
-of the same model on the same data is the reference. The report gives the layout, the plan's
+of the same model on the same data is the reference. The placed model is compiled (for
+AutoParallel's module: :func:`shardings.compile.compile_placed`, which says which compiler it
+used and why; ``--eager`` skips compilation). The report gives the layout, the compiler, the plan's
 per-rank work balance and K/V traffic against all-gather, loss and parameter parity, and time.
 """
 
@@ -102,7 +104,10 @@ def _autoparallel_model(args, mesh, batches, init):
             p.to_local().copy_(distribute_tensor(init[name], mesh, p.placements).to_local())
     words = " | ".join(sorted({", ".join(f"{k}: {v}" for k, v in c.layout.items()) for c in choices}))
     how = "chosen by AutoParallel" if args.free else "pinned; the rest placed by AutoParallel"
-    return parallel, f"{words} ({how})"
+    from shardings.compile import compile_placed
+
+    compiled, choice = compile_placed(parallel, "eager" if args.eager else "auto")
+    return compiled, f"{words} ({how})", str(choice)
 
 
 def _manual_cp_model(args, init):
@@ -110,8 +115,10 @@ def _manual_cp_model(args, init):
     model = Transformer(**MODEL).double()
     model.load_state_dict(init)
     for block in model.layers:
-        block.attn.cp_group = dist.group.WORLD
-    return model, "cp: sequence (manual placement)"
+        block.attn.cp_group = dist.group.WORLD.group_name
+    if args.eager:
+        return model, "cp: sequence (manual placement)", "eager: asked for"
+    return torch.compile(model, fullgraph=True), "cp: sequence (manual placement)", "inductor: torch.compile"
 
 
 def rank_main(rank: int, world: int, port: int, args):
@@ -139,9 +146,9 @@ def rank_main(rank: int, world: int, port: int, args):
                 "github.com/meta-pytorch/autoparallel); sharding the sequence manually")
         t1 = time.perf_counter()
         if use_ap:
-            model, layout = _autoparallel_model(args, mesh, batches, init)
+            model, layout, compiled_with = _autoparallel_model(args, mesh, batches, init)
         else:
-            model, layout = _manual_cp_model(args, init)
+            model, layout, compiled_with = _manual_cp_model(args, init)
         t_plan = time.perf_counter() - t1
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         losses, t2 = [], time.perf_counter()
@@ -160,12 +167,14 @@ def rank_main(rank: int, world: int, port: int, args):
             losses.append(total.item())
             say(f"[3/4] step {step + 1}/{args.steps}: loss {losses[-1]:.6f} (one process: {ref_losses[step]:.6f})")
         t_train = time.perf_counter() - t2
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()) for n, p in model.named_parameters()}
+        module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes the names
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()) for n, p in module.named_parameters()}
         param_err = max((params[n] - ref_final[n]).abs().max().item() for n in params)
         if rank == 0:
             plans = [dp.plan_context_parallel(cu, world) for _, _, cu in batches]
             n_docs = int((batches[0][2].diff(dim=1) > 0).sum())
-            report(args, world, layout, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train)
+            report(args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan,
+                   t_train)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -180,7 +189,7 @@ def _has_autoparallel() -> bool:
     return True
 
 
-def report(args, world, layout, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train):
+def report(args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train):
     p = plans[0]
     all_gather = p.batch * (p.seq_len - p.seq_len // world)
     loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -191,13 +200,15 @@ def report(args, world, layout, plans, n_docs, losses, ref_losses, param_err, t_
         f"  ranks                {world} gloo processes (CPU); {args.batch} rows x {args.seq} tokens, "
         f"{n_docs} documents in the first step",
         f"  attention layout     {layout}",
+        f"  compiled with        {compiled_with}",
         f"  work per rank        {list(p.work)}  (max/mean {p.imbalance:.3f}; first step)",
         f"  K/V received / rank  {list(p.kv_recv_tokens)} tokens  (all-gather: {all_gather} each)",
         f"  queries moved / rank {list(p.q_moved_tokens)}",
         f"  loss parity          max |CP - one process| = {loss_err:.2e} over {len(losses)} steps "
         f"(final loss {losses[-1]:.6f})",
         f"  parameter parity     max |CP - one process| = {param_err:.2e} after {len(losses)} SGD steps (float64)",
-        f"  time                 reference {t_ref:.1f}s, placement {t_plan:.1f}s, training {t_train:.1f}s",
+        f"  time                 reference {t_ref:.1f}s, placement {t_plan:.1f}s, training {t_train:.1f}s"
+        f"{'' if args.eager else ' (its first step compiles)'}",
         f"  result               {'OK: context-parallel training matches one process' if ok else 'MISMATCH'}",
     ]
     log("\n".join(line for line in lines if line.strip()))
@@ -214,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-autoparallel", action="store_true", help="shard manually even if installed")
     ap.add_argument("--free", action="store_true", help="let AutoParallel choose the attention layout too")
+    ap.add_argument("--eager", action="store_true", help="run the placed model uncompiled (debugging)")
     args = ap.parse_args(argv)
     if args.seq % args.ranks:
         sys.exit(f"--seq {args.seq} must be divisible by --ranks {args.ranks}")

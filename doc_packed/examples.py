@@ -61,6 +61,24 @@ class Transformer(nn.Module):
         return self.out(self.norm(x))
 
 
+def training_flops(model: nn.Module, cu_seqlens: torch.Tensor, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward) of ``model`` on rows laid out by
+    ``cu_seqlens``: ``6 * tokens * (weights of every Linear)`` plus, per attention layer, 3.5x
+    the forward's ``4 * pairs * H_q * D`` (the flash convention used in docs/benchmarks.md), with
+    ``pairs`` the exact (query, key) pairs of the layout. The MFU numerator of the benchmarks."""
+    from doc_packed._flops import total_pairs
+
+    tokens = cu_seqlens.shape[0] * seq_len
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    flops = 6.0 * tokens * linear
+    for m in model.modules():
+        if isinstance(m, Attention):
+            left, right = m.window
+            pairs = total_pairs(cu_seqlens.cpu(), seq_len, True, left, 0)
+            flops += 3.5 * 4 * pairs * m.n_heads * m.head_dim
+    return flops
+
+
 def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, sigma: float = 1.0) -> list[int]:
     """Document lengths summing to ``total``: lognormal draws of mean ``mean`` (log-space
     deviation ``sigma``), at least 1 token, the last one cut to fit. Deterministic per seed."""

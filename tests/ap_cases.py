@@ -40,7 +40,8 @@ def reference_training(cfg, batches, lr, steps):
     return state, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, steps, lr, doc_len_hint, force=None):
+def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, steps, lr, doc_len_hint, force=None,
+             compile_backend="eager"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from autoparallel.api import AutoParallel
@@ -79,6 +80,11 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     with torch.no_grad():
         for name, p in parallel.named_parameters():
             p.to_local().copy_(distribute_tensor(init_state[name], mesh, p.placements).to_local())
+    from shardings.compile import compile_placed
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, choice = compile_placed(parallel, compile_backend)
     opt = torch.optim.SGD(parallel.parameters(), lr=lr)
     replicas = 1
     for d, p in enumerate(o_pl):
@@ -87,7 +93,7 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     losses = []
     for step in range(steps):
         tokens, targets, cu = batches[step]
-        logits = parallel(_shard(tokens, mesh, tok_pl), _shard(cu, mesh, cu_pl))
+        logits = model(_shard(tokens, mesh, tok_pl), _shard(cu, mesh, cu_pl))
         local_t = _shard(targets, mesh, tuple(Shard(p.dim) if p.is_shard() else Replicate() for p in o_pl))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local_t.flatten(), reduction="sum") / targets.numel()
         loss.backward()
@@ -102,4 +108,5 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     return dict(
         losses=losses, ref_losses=ref_losses, param_err=param_err, loss_err=loss_err,
         layout=[(c.role, c.layout) for c in choices], choices=[str(c) for c in choices],
+        compiled_with=choice.backend, graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
     )

@@ -145,19 +145,34 @@ E2E_CFG = dict(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2)
 E2E_BATCH = dict(B=2, S=64, lengths=[[[20, 30, 14], [64]], [[5, 59], [1, 1, 62]], [[3] * 20 + [4], [33, 31]]])
 
 
-@pytest.mark.parametrize(
-    "mesh,names,inputs,force",
-    [
-        ((4,), ("cp",), "S", {"cp": "sequence"}),
-        ((2, 2), ("dp", "cp"), "BS", {"dp": "batch", "cp": "sequence"}),
-        ((2, 2), ("cp", "tp"), "SR", {"cp": "sequence", "tp": "heads"}),
-    ],
-)
-def test_end_to_end_training_matches_single_process(mesh, names, inputs, force):
-    results = run_ranks(ap_train, 4, mesh, names, inputs, inputs, E2E_CFG, E2E_BATCH, 3, 0.5, 32, force)
+E2E_LAYOUTS = [
+    ((2,), ("dp",), "B", {"dp": "batch"}),
+    ((4,), ("cp",), "S", {"cp": "sequence"}),
+    ((2, 2), ("dp", "cp"), "BS", {"dp": "batch", "cp": "sequence"}),
+    ((2, 2), ("cp", "tp"), "SR", {"cp": "sequence", "tp": "heads"}),
+]
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "auto"])
+@pytest.mark.parametrize("mesh,names,inputs,force", E2E_LAYOUTS, ids=["dp", "cp", "dp_cp", "cp_tp"])
+def test_end_to_end_training_matches_single_process(mesh, names, inputs, force, compile_backend):
+    """The placed module, eager and compiled (compile_placed's default path), trains to the
+    one-process float64 losses and parameters; compiled, one graph serves every layout."""
+    world = 1
+    for n in mesh:
+        world *= n
+    results = run_ranks(
+        ap_train, world, mesh, names, inputs, inputs, E2E_CFG, E2E_BATCH, 3, 0.5, 32, force, compile_backend
+    )
     for r in results:
         assert r["loss_err"] < 1e-10, r["losses"]
         assert r["param_err"] < 1e-10
         for role, layout in r["layout"]:
             assert layout == force
         assert r["losses"][-1] != r["losses"][0]  # it trained
+        if compile_backend == "eager":
+            assert r["compiled_with"] == "eager"
+        else:
+            # fullgraph=True: a graph break would have raised; 3 layouts, no recompile
+            assert r["compiled_with"] in ("autoparallel", "inductor")
+            assert r["graphs"] == 1, r["graphs"]

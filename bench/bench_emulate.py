@@ -1,0 +1,373 @@
+"""Rank 0 of a W-rank AutoParallel placement, emulated on ONE device: per-rank speed vs the plain model.
+
+A fake process group of W ranks (torch's ``fake`` backend: collectives return at once and move
+nothing) lets AutoParallel plan and place the example model for a W-rank mesh while this process
+runs rank 0's share of the work for real: its local inputs are sliced from the global batch (not
+scattered), every matmul, norm and attention kernel is the one rank 0 would run. What is NOT
+real: communication (absent, so this measures compute and host overhead only), and the context-
+parallel exchange, whose uneven AllToAll-V cannot run on a fake group: its receive buffers are
+stubbed with empty tensors of the right size, and the plan's cross-rank agreement check is
+skipped. Values are therefore garbage; times are rank 0's.
+
+For each layout (dp, cp, (dp, cp), (cp, tp), (dp, tp)), row length and model, one run reports:
+- the plain model (no AutoParallel) on this device, eager and compiled, at rank 0's local batch
+  and at one whole row ``[1, S]`` (the one-GPU anchor);
+- the placed module under AutoParallel's eager runner (the "before") and compiled with
+  :func:`shardings.compile.compile_placed` (the default path now);
+- kernel ms per step by category and the GPU busy fraction (torch.profiler, one compiled step);
+- per-rank efficiency = (tokens/s per rank of the placed module) / (tokens/s of the plain model
+  on one whole row), against both the eager and the compiled plain model;
+- the cost of a new document layout per step: compiled steps with a fresh ``cu_seqlens`` each
+  step minus steps that reuse one.
+
+Usage (one GPU; needs AutoParallel and pulp)::
+
+    python bench/bench_emulate.py --world 2 --layouts dp,cp --seq 32768 --docs one,lognormal
+    python bench/bench_emulate.py --cpu-dry-run      # tiny sizes on CPU, checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import doc_packed as dp  # noqa: E402
+from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
+from doc_packed.examples import Transformer, lognormal_lengths, training_flops  # noqa: E402
+
+# layout -> (mesh dim names, token placement letters, forced attention kinds, batch rows per dp rank)
+LAYOUTS = {
+    "dp": (("dp",), "B", {"dp": "batch"}),
+    "cp": (("cp",), "S", {"cp": "sequence"}),
+    "dp_cp": (("dp", "cp"), "BS", {"dp": "batch", "cp": "sequence"}),
+    "cp_tp": (("cp", "tp"), "SR", {"cp": "sequence", "tp": "heads"}),
+    "dp_tp": (("dp", "tp"), "BR", {"dp": "batch", "tp": "heads"}),
+}
+# layouts whose ranks each do exactly 1/W of the model's work (up to CP imbalance); the tp ones
+# repeat norms, residuals, embedding and loss on every tp rank
+NO_REDUNDANT_COMPUTE = {"dp", "cp", "dp_cp"}
+CATEGORIES = ("attention", "gemm", "elementwise", "copy/cast", "comm", "other")
+
+
+def mesh_shape(layout: str, world: int) -> tuple[int, ...]:
+    names = LAYOUTS[layout][0]
+    if len(names) == 1:
+        return (world,)
+    if world % 2:
+        raise ValueError(f"layout {layout} needs an even world size, got {world}")
+    return (2, world // 2) if names[0] == "dp" else (world // 2, 2)
+
+
+@contextlib.contextmanager
+def stubbed_cp_exchange():
+    """Empty receive buffers for the CP exchange and no agreement check (fake groups move nothing)."""
+    from doc_packed.cp import comm
+
+    saved = comm.all_to_all, comm.check_agreement
+
+    def all_to_all(x, send_splits, recv_splits, group_name):
+        return x.new_empty((sum(recv_splits), *x.shape[1:]))
+
+    comm.all_to_all = all_to_all
+    comm.check_agreement = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        comm.all_to_all, comm.check_agreement = saved
+
+
+def make_layouts(n: int, B: int, S: int, docs: str, device, seed0: int = 0) -> list[torch.Tensor]:
+    """``n`` cu_seqlens tensors on ``device``: one document per row, or lognormal mean 2k."""
+    out = []
+    for i in range(n):
+        if docs == "one":
+            lengths = [[S] for _ in range(B)]
+        else:
+            lengths = [lognormal_lengths(S, 2048, seed0 + 1000 * i + b) for b in range(B)]
+        out.append(dp.cu_seqlens_from_lengths(lengths, S, max_docs=S // 8).to(device))
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, cus, device, warmup: int) -> float:
+    """Mean seconds per step over ``cus[warmup:]`` (each step gets its own cu_seqlens)."""
+    for cu in cus[:warmup]:
+        step(cu)
+    sync(device)
+    t0 = time.perf_counter()
+    for cu in cus[warmup:]:
+        step(cu)
+    sync(device)
+    return (time.perf_counter() - t0) / (len(cus) - warmup)
+
+
+def categorize(name: str) -> str:
+    n = name.lower()
+    # Inductor templates here are flex attention (matmuls stay extern cuBLAS calls)
+    if any(s in n for s in ("flash", "flex", "attn", "attention", "fmha", "triton_tem")):
+        return "attention"
+    if any(s in n for s in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "_mm_", "sgemm", "hgemm")):
+        return "gemm"
+    if any(s in n for s in ("nccl", "all_gather", "reduce_scatter", "all_reduce", "alltoall")):
+        return "comm"
+    if any(s in n for s in ("copy", "cat", "memcpy", "memset", "index", "gather", "scatter", "to_copy")):
+        return "copy/cast"
+    if any(s in n for s in ("elementwise", "vectorized", "reduce", "triton", "softmax", "norm")):
+        return "elementwise"
+    return "other"
+
+
+def profile_step(step, cu, device) -> dict:
+    """Kernel ms by category and the GPU busy fraction of one step (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(cu)
+        sync(device)
+    wall = time.perf_counter() - t0
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    spans = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        cats[categorize(e.name)] += e.time_range.elapsed_us() / 1e3
+        spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, end = 0.0, None
+    for s, e in spans:  # union of kernel intervals (streams may overlap)
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return dict(kernels_ms={k: round(v, 2) for k, v in cats.items()}, n_kernels=len(spans),
+                busy=round(busy / 1e3 / (wall * 1e3), 3) if wall > 0 else None)
+
+
+def train_step_fn(model, tokens, targets, opt):
+    def step(cu):
+        logits = model(tokens, cu)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
+    """The plain model (no AutoParallel) on this device, one row ``[1, S]``: eager and compiled ms
+    per step for each document kind, and the model FLOPs of a step."""
+    torch.manual_seed(0)
+    model = Transformer(**cfg).to(device=device, dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    targets = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    compiled = torch.compile(model, fullgraph=True)
+    out = {}
+    for docs in docs_kinds:
+        cus = make_layouts(args.warmup + args.steps, 1, S, docs, device)
+        out[docs] = {
+            "eager_ms": 1e3 * time_steps(train_step_fn(model, tokens, targets, opt), cus, device, args.warmup),
+            "compiled_ms": 1e3 * time_steps(train_step_fn(compiled, tokens, targets, opt), cus, device, args.warmup),
+            "flops": sum(training_flops(model, cu, S) for cu in cus) / len(cus),
+        }
+    del model, compiled, opt
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def place(layout, world, cfg, B, S, device, dtype):
+    """AutoParallel plans the model for the layout's mesh (attention forced to the layout);
+    returns (placed module, mesh, token placements)."""
+    from autoparallel.api import AutoParallel
+    from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
+    from autoparallel.shardings.placement_options import reset_placement_options_cache
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardings.autoparallel import force_attention_layout, lower_context_parallel
+
+    names, letters, force = LAYOUTS[layout]
+    reset_placement_options_cache()  # AutoParallel caches by shapes, not by mesh
+    reset_compute_cost_cache()
+    mesh = init_device_mesh(device.type, mesh_shape(layout, world), mesh_dim_names=names)
+    pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
+    tok_pl = tuple(pl[c] for c in letters)
+    cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
+
+    def input_fn():
+        return (torch.randint(0, cfg["vocab"], (B, S), device=device),
+                torch.zeros(B, S // 8 + 1, dtype=torch.int32, device=device))
+
+    dp.set_planning_doc_len(2048)
+    with torch.device("meta"):
+        model = Transformer(**cfg).to(dtype)
+    with device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+        autop.add_input_constraints([tok_pl, cu_pl])
+        autop.add_output_constraints([tok_pl])
+        force_attention_layout(autop, force)
+        placement = lower_context_parallel(autop, autop.optimize_placement())
+        parallel = autop.apply_placement(placement)
+    parallel.to_empty(device=device)
+    with torch.no_grad():
+        for p in parallel.parameters():
+            p.to_local().normal_(0, 0.02)
+    return parallel, mesh, tok_pl
+
+
+def local_slice(t: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """Rank 0's local piece of a global tensor (sliced: a fake group cannot scatter)."""
+    for d, p in enumerate(placements):
+        if p.is_shard():
+            t = t.chunk(mesh.size(d), p.dim)[0]
+    return t.contiguous()
+
+
+def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> list[dict]:
+    """Place once for (layout, S); time rank 0 on each document kind. ``plain``: plain_runs()."""
+    from shardings.compile import compile_placed
+
+    names = LAYOUTS[layout][0]
+    shape = mesh_shape(layout, world)
+    dp_size = shape[names.index("dp")] if "dp" in names else 1
+    B = dp_size  # one row per data-parallel rank
+    t0 = time.perf_counter()
+    parallel, mesh, tok_pl = place(layout, world, cfg, B, S, device, dtype)
+    plan_s = time.perf_counter() - t0
+    tokens = torch.randint(0, cfg["vocab"], (B, S), device=device)
+    targets = torch.randint(0, cfg["vocab"], (B, S), device=device)
+    lt, ltg = local_slice(tokens, mesh, tok_pl), local_slice(targets, mesh, tok_pl)
+    opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
+    compiled, choice = compile_placed(parallel, args.compile)
+    step = train_step_fn(compiled, lt, ltg, opt)
+    peak = args.peak_tflops * 1e12
+    rows = []
+    with stubbed_cp_exchange():
+        for i, docs in enumerate(docs_kinds):
+            # cu_seqlens: whole rows, sharded with the batch; the first layout pays the compile
+            n = args.warmup + args.steps + 1
+            cus = [c.chunk(dp_size, 0)[0].contiguous() for c in make_layouts(n, B, S, docs, device, seed0=7)]
+            res = dict(layout=layout, mesh=dict(zip(names, shape)), docs=docs, local_tokens=list(lt.shape),
+                       rank_tokens=B * S / world, compile=str(choice), plan_s=plan_s)
+            if not args.skip_eager:
+                eager_cus = cus[: args.warmup + 2]
+                res["eager_ms"] = 1e3 * time_steps(train_step_fn(parallel, lt, ltg, opt), eager_cus, device, args.warmup)
+            t0 = time.perf_counter()
+            step(cus[0])
+            sync(device)
+            res["first_step_s"] = time.perf_counter() - t0  # compiles, on the first kind
+            res["compiled_ms"] = 1e3 * time_steps(step, cus[1:], device, args.warmup - 1)
+            # a new layout every step (above) vs one layout reused
+            res["compiled_same_layout_ms"] = 1e3 * time_steps(step, [cus[1]] * (n - 1), device, 1)
+            res["new_layout_ms"] = res["compiled_ms"] - res["compiled_same_layout_ms"]
+            res.update(profile_step(step, cus[-1], device))
+            row = plain[docs]
+            for kind in ("eager", "compiled"):
+                # tokens/s per rank over the plain model's tokens/s on one whole row
+                res[f"eff_vs_plain_{kind}"] = (row[f"{kind}_ms"] / S) / (res["compiled_ms"] / res["rank_tokens"])
+            if "eager_ms" in res:
+                res["eager_eff_vs_plain_eager"] = (row["eager_ms"] / S) / (res["eager_ms"] / res["rank_tokens"])
+            # MFU of this rank: its share of the model FLOPs of the global batch (B rows)
+            res["mfu"] = row["flops"] * B / world / (res["compiled_ms"] / 1e3) / peak
+            res["plain_row"] = row
+            rows.append(res)
+    del parallel, compiled, opt, step
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks of the emulated mesh")
+    ap.add_argument("--layouts", default="dp,cp", help=f"any of {sorted(LAYOUTS)}")
+    ap.add_argument("--seq", default="32768", help="row lengths, comma separated")
+    ap.add_argument("--docs", default="one,lognormal", help="one document per row, lognormal mean 2k")
+    ap.add_argument("--dims", default="2048", help="model widths (heads of 128, kv heads dim/512)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", default="auto", help="compile_placed backend")
+    ap.add_argument("--one-doc-max", type=int, default=32768, help="one-document rows only up to this S")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
+    ap.add_argument("--skip-eager", action="store_true", help="skip the eager placed module")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    args = ap.parse_args()
+    patch_autoparallel_for_torch()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if args.cpu_dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        cfgs = [dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)]
+    else:
+        device, dtype = torch.device("cuda", 0), torch.bfloat16
+        torch.cuda.set_device(0)
+        cfgs = [dict(vocab=8192, dim=d, n_heads=d // 128, n_kv_heads=max(1, d // 512), n_layers=args.layers)
+                for d in map(int, args.dims.split(","))]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    rows = []
+    for cfg in cfgs:
+        for S in map(int, args.seq.split(",")):
+            kinds = [d for d in args.docs.split(",") if d != "one" or S <= args.one_doc_max]
+            plain = plain_runs(cfg, S, kinds, device, dtype, args)
+            print(json.dumps(dict(plain=plain, dim=cfg["dim"], S=S)), flush=True)
+            for layout in args.layouts.split(","):
+                try:
+                    got = emulate(layout, args.world, cfg, S, kinds, device, dtype, args, plain)
+                except Exception as e:  # report and go on
+                    import traceback
+
+                    got = [dict(layout=layout, docs=",".join(kinds), error=f"{type(e).__name__}: {e}"[:1500],
+                                tb=traceback.format_exc()[-2500:])]
+                for r in got:
+                    r.update(dim=cfg["dim"], S=S)
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\ndevice: {dev}  torch {torch.__version__}  emulated world {args.world} (rank 0, fake group)")
+    print("| dim | S | docs | layout | mesh | plain row ms (eager / compiled) | placed eager ms | placed compiled ms "
+          "| eff vs plain eager | vs plain compiled | MFU | new layout ms | GPU busy | kernels ms (attn / gemm / elem / copy) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['dim']} | {r['S']} | {r['docs']} | {r['layout']} | error: {r['error'][:100]} |")
+            continue
+        k = r.get("kernels_ms", {})
+        ks = " / ".join(f"{k.get(c, 0):.1f}" for c in ("attention", "gemm", "elementwise", "copy/cast")) if k else "-"
+        eager = f"{r['eager_ms']:.1f}" if "eager_ms" in r else "-"
+        mark = "" if r["layout"] in NO_REDUNDANT_COMPUTE else " (tp: redundant)"
+        print(f"| {r['dim']} | {r['S']} | {r['docs']} | {r['layout']}{mark} | {r['mesh']} | "
+              f"{r['plain_row']['eager_ms']:.1f} / {r['plain_row']['compiled_ms']:.1f} | {eager} | "
+              f"{r['compiled_ms']:.1f} | {r['eff_vs_plain_eager']:.2f} | {r['eff_vs_plain_compiled']:.2f} | {r['mfu']:.2f} | "
+              f"{r['new_layout_ms']:+.1f} | {r.get('busy', '-')} | {ks} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
