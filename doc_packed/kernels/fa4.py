@@ -64,7 +64,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def head_dim_rule(major: int) -> str:
+def _head_dim_rule(major: int) -> str:
     return "% 8 == 0 and 8..256" if major == 9 else "% 8 == 0 and 8..128, or 256"
 
 
@@ -88,7 +88,7 @@ def unsupported_reason(q: torch.Tensor, kv_heads: int | None = None) -> str | No
         return f"needs compute capability 9.x or 10.x, got {major}.{minor}"
     d = q.shape[-1]
     if not _head_dim_ok(d, major):
-        return f"needs head dim {head_dim_rule(major)} on compute capability {major}.x, got {d}"
+        return f"needs head dim {_head_dim_rule(major)} on compute capability {major}.x, got {d}"
     if kv_heads is not None:
         ratio = q.shape[-2] // kv_heads
         if ratio > _MAX_GQA or ratio & (ratio - 1):
