@@ -11,11 +11,17 @@ from ._checks import check_qkv, check_scale, check_window
 __all__ = ["doc_packed_attn"]
 
 
+@torch.compiler.assume_constant_result
+def _group_size(group_name: str) -> int:
+    """Size of a named process group: a constant to torch.compile (no graph break)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_world_size(_resolve_process_group(group_name))
+
+
 def _group_name(group: dist.ProcessGroup | str) -> tuple[str, int]:
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return group, dist.get_world_size(_resolve_process_group(group))
+        return group, _group_size(group)
     if isinstance(group, dist.ProcessGroup):
         return group.group_name, dist.get_world_size(group)
     raise TypeError(f"cp_group must be a ProcessGroup or a group name, got {type(group).__name__}")

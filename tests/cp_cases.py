@@ -102,3 +102,27 @@ def mismatch(rank, world, kind):
     except ValueError as e:
         return str(e)
     return None
+
+
+def compiled_cp(rank, world):
+    """``doc_packed_attn(..., cp_group=...)`` under ``torch.compile(fullgraph=True)``, with the
+    group given by name and as a ProcessGroup: same output and gradients as the eager call."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    S = 64
+    cu = dp.cu_seqlens_from_lengths([[20, 30, 14]], S)
+    q, k, v = (torch.randn(1, S, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    shard = [t.chunk(world, 1)[rank].contiguous().requires_grad_() for t in (q, k, v)]
+    errors = []
+    for group in (dist.group.WORLD.group_name, dist.group.WORLD):
+        def attn(q, k, v, cu):
+            return dp.doc_packed_attn(q, k, v, cu, cp_group=group)
+
+        torch._dynamo.reset()
+        ref = attn(*shard, cu)
+        (gq, gk, gv) = torch.autograd.grad(ref.sum(), shard)
+        out = torch.compile(attn, fullgraph=True, backend="aot_eager")(*shard, cu)
+        grads = torch.autograd.grad(out.sum(), shard)
+        errors.append(max((a - b).abs().max().item() for a, b in zip((out, *grads), (ref, gq, gk, gv))))
+    return errors

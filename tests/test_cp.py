@@ -47,3 +47,10 @@ def test_cp_disagreement_raises_on_every_rank(kind):
         assert "torch.chunk" in errors[0] and "rejected their inputs" in errors[1]
     if kind == "invalid_on_one_rank":
         assert "past the sequence length" in errors[1] and "rejected their inputs" in errors[0]
+
+
+def test_cp_call_compiles_without_graph_break():
+    from cp_cases import compiled_cp
+
+    for errors in run_ranks(compiled_cp, 2):
+        assert errors == [0.0, 0.0]
