@@ -113,9 +113,9 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
-
     from shardings.compile import compile_placed
 
+    torch._dynamo.reset()  # each mode compiles its own placed module
     rank, world = dist.get_rank(), dist.get_world_size()
     max_docs = S // 8
     batches = make_batches(warmup + steps, cfg, B, S, mean_doc, device)

@@ -66,8 +66,8 @@ def doc_packed_attn(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
             float64 inputs, natural log). Gradients through it are supported.
-        backend: ``"auto"`` (default: the fastest that takes the input), ``"flash"``,
-            ``"flex"`` or ``"math"`` (see :mod:`doc_packed.kernels`).
+        backend: ``"auto"`` (default: the fastest that takes the input), ``"fa4"``,
+            ``"flex"``, ``"flash"`` or ``"math"`` (see :mod:`doc_packed.kernels`).
         cp_group: run context-parallel over this group: ``q/k/v`` are this rank's
             ``torch.chunk`` of the sequence dim, ``cu_seqlens`` is the whole rows' layout.
         seq_len: with ``cp_group``, the whole row length when the chunks are uneven
@@ -80,7 +80,7 @@ def doc_packed_attn(
     left, right = check_window(causal, window_size)
     scale = check_scale(scale, q.shape[-1])
     if not torch.compiler.is_compiling():  # the op checks again when it runs (compiled too)
-        kernels.check_backend(backend, q)
+        kernels.check_backend(backend, q, k.shape[2])
     elif backend not in kernels.BACKENDS:
         raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
     local_len = q.shape[1]
