@@ -102,7 +102,6 @@ def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
         out[f"{kind}_step_s"] = (time.perf_counter() - t0) / steps
         out[f"{kind}_tokens_per_s"] = S / out[f"{kind}_step_s"]
     out["flops"] = step_flops(cfg, batches[warmup:], S)
-    del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
