@@ -1,0 +1,38 @@
+"""shardings.compile: which compiler runs a placed module, and why (no AutoParallel needed)."""
+
+import sys
+
+import pytest
+import torch
+
+from shardings import compile as sc
+
+
+def test_missing_torch_names_reads_the_module_source(tmp_path, monkeypatch):
+    (tmp_path / "probe_mod.py").write_text(
+        "from torch.nn import Linear\n"
+        "def later():\n"
+        "    from torch.nn.functional import not_a_function_xyz\n"
+        "    from torch._no_such_module_xyz import thing\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    missing = sc._missing_torch_names("probe_mod")
+    assert missing == ["torch.nn.functional.not_a_function_xyz", "torch._no_such_module_xyz"]
+    sys.modules.pop("probe_mod", None)
+
+
+def test_choices_and_reasons(monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sc.compile_placed(model, "bogus")
+    same, choice = sc.compile_placed(model, "eager")
+    assert same is model and choice.backend == "eager"
+
+    monkeypatch.setattr(sc, "autoparallel_backend_blocker", lambda: "torch lacks x.y")
+    compiled, choice = sc.compile_placed(model, "auto")
+    assert choice.backend == "inductor" and "torch lacks x.y" in choice.reason
+    assert compiled is not model and compiled._orig_mod is model
+    with pytest.raises(RuntimeError, match="cannot run: torch lacks x.y"):
+        sc.compile_placed(model, "autoparallel")
+    _, choice = sc.compile_placed(model, "inductor")
+    assert choice.backend == "inductor" and choice.reason == "asked for"
