@@ -272,6 +272,18 @@ def run_fa4(cell: dict) -> dict:
     return res
 
 
+def per_call_us(fn, iters: int = 300, warmup: int = 20) -> float:
+    """Host microseconds per call: ``iters`` calls launched back to back, one sync at the end."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def fa4_host_cost(calls: int = 200) -> dict:
     """Host microseconds per call at S = 1024 (GPU work negligible): a launch loop of
     ``calls`` calls with one sync at the end, raw FA4 vs ours, forward and forward+backward."""
@@ -296,14 +308,7 @@ def fa4_host_cost(calls: int = 200) -> dict:
             torch.autograd.backward(o, dout.view_as(o))
 
         for name, fn in (("fwd_us", fwd), ("fwdbwd_us", fwdbwd)):
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t0) / calls * 1e6
+            us = per_call_us(fn, calls, warmup=10)
             out.setdefault(label, {})[name] = min(us, out.get(label, {}).get(name, math.inf))
     return out
 

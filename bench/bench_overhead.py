@@ -13,23 +13,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
 import doc_packed as dp
-from bench_op import flex_setup, raw_varlen
-
-
-def per_call_us(fn, iters: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+from bench_op import flex_setup, per_call_us, raw_varlen
 
 
 def main():

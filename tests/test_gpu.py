@@ -72,28 +72,39 @@ def test_fa4_parity(dtype, heads, head_dim):
                 assert e[name] <= 2 * TOL[dtype], (name, e, causal, window, lengths)
 
 
-@needs_fa4
-def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
+def _cp_shaped_problem(backend):
+    """A chunk of queries against a longer key range with one segment that sees no keys
+    (row_len None: a context-parallel call), run on ``backend``: rows that see nothing give out 0
+    and lse -inf, the rest match the float64 math kernel, gradients are finite. Returns
+    ``(spec, (q, k, v, dout), out, lse, grads, ref, live)``."""
     from doc_packed import kernels
     from doc_packed.kernels.spec import VarlenSpec
 
-    # a chunk of queries against a longer key range, one segment with no keys; row_len None
-    # (a context-parallel call): auto runs fa4 there too
     spec = VarlenSpec([0, 128, 256, 512], [0, 384, 384, 768], True, -1, 0)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, dout = (torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(768, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    assert kernels.choose("auto", spec, q, 2) == "fa4"
     ref = kernels.forward(spec, q.double().cpu(), k.double().cpu(), v.double().cpu(), 0.125, "math")
-    out, lse = kernels.forward(spec, q, k, v, 0.125, "fa4")
-    assert lse.dtype == torch.float32 and lse.shape == (8, 512)
+    out, lse = kernels.forward(spec, q, k, v, 0.125, backend)
     assert (out[128:256] == 0).all() and (lse[:, 128:256] == -float("inf")).all()
     live = torch.ones(512, dtype=torch.bool)
     live[128:256] = False
     assert rel(out[live].cpu(), ref[0][live]) <= 1e-2
     assert (lse[:, live].cpu().double() - ref[1][:, live]).abs().max().item() <= 2e-2
-    grads = kernels.backward(spec, dout, q, k, v, out, lse, 0.125, "fa4")
+    grads = kernels.backward(spec, dout, q, k, v, out, lse, 0.125, backend)
     assert all(torch.isfinite(x).all() for x in grads)
+    return spec, (q, k, v, dout), out, lse, grads, ref, live
+
+
+@needs_fa4
+def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
+    from doc_packed import kernels
+
+    # a chunk of queries against a longer key range, one segment with no keys; row_len None
+    # (a context-parallel call): auto runs fa4 there too
+    spec, (q, k, v, dout), out, lse, grads, ref, live = _cp_shaped_problem("fa4")
+    assert kernels.choose("auto", spec, q, 2) == "fa4"
+    assert lse.dtype == torch.float32 and lse.shape == (8, 512)
     want = kernels.backward(spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(),
                             v.double().cpu(), *ref, 0.125, "math")
     for a, b in zip(grads, want):
@@ -140,21 +151,8 @@ def test_flex_parity(dtype, heads):
 def test_flex_context_parallel_shape_empty_rows_and_mixed_passes():
     from doc_packed import kernels
     from doc_packed.kernels import flex
-    from doc_packed.kernels.spec import VarlenSpec
 
-    spec = VarlenSpec([0, 128, 256, 512], [0, 384, 384, 768], True, -1, 0)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, dout = (torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k, v = (torch.randn(768, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    ref = kernels.forward(spec, q.double().cpu(), k.double().cpu(), v.double().cpu(), 0.125, "math")
-    out, lse = kernels.forward(spec, q, k, v, 0.125, "flex")
-    assert (out[128:256] == 0).all() and (lse[:, 128:256] == -float("inf")).all()
-    live = torch.ones(512, dtype=torch.bool)
-    live[128:256] = False
-    assert rel(out[live].cpu(), ref[0][live]) <= 1e-2
-    assert (lse[:, live].cpu().double() - ref[1][:, live]).abs().max().item() <= 2e-2
-    grads = kernels.backward(spec, dout, q, k, v, out, lse, 0.125, "flex")
-    assert all(torch.isfinite(x).all() for x in grads)
+    spec, (q, k, v, dout), out, lse, grads, _, live = _cp_shaped_problem("flex")
     # flash's (out, lse) drive flex's backward and vice versa (auto may mix them per pass)
     fo, fl = kernels.forward(spec, q, k, v, 0.125, "flash")
     assert rel(fo[live], out[live]) <= 1e-2
