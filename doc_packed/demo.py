@@ -115,7 +115,7 @@ def _manual_cp_model(args, init):
     model = Transformer(**MODEL).double()
     model.load_state_dict(init)
     for block in model.layers:
-        block.attn.cp_group = dist.group.WORLD.group_name
+        block.attn.cp_group = dist.group.WORLD
     if args.eager:
         return model, "cp: sequence (manual placement)", "eager: asked for"
     return torch.compile(model, fullgraph=True), "cp: sequence (manual placement)", "inductor: torch.compile"
