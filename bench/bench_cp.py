@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import lognormal_lengths, random_attention_problem
+from doc_packed.examples import random_attention_problem
+from doc_packed.layout import lognormal_lengths
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
 

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer, lognormal_lengths, training_flops  # noqa: E402
+from doc_packed.examples import Transformer, training_flops  # noqa: E402
+from doc_packed.layout import lognormal_lengths  # noqa: E402
 
 
 def solved_input_placements(autop, placement):
@@ -123,14 +124,13 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         return (torch.randint(0, cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
 
     cu_host = batches[0][2].cpu()  # real tensors must be read before AutoParallel's fake mode
-    dp.set_planning_doc_len(mean_doc)
     with torch.device("meta"):
         model = Transformer(**cfg).to(dtype)
     t0 = time.perf_counter()
     names = mesh.mesh_dim_names
     tok_words, force = MODES[mode](names)
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
-    with device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+    with device_name_for_cost_model(), dp.planning(doc_len=mean_doc), AutoParallel(model, input_fn, mesh) as autop:
         if tok_words is not None:
             tok_pl = tuple(pl[w] for w in tok_words)
             cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)

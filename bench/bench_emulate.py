@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer, lognormal_lengths, training_flops  # noqa: E402
+from doc_packed.examples import Transformer, training_flops  # noqa: E402
+from doc_packed.layout import lognormal_lengths  # noqa: E402
 
 # layout -> (mesh dim names, token placement letters, forced attention kinds, batch rows per dp rank)
 LAYOUTS = {
@@ -233,10 +234,9 @@ def place(layout, world, cfg, B, S, device, dtype):
         return (torch.randint(0, cfg["vocab"], (B, S), device=device),
                 torch.zeros(B, S // 8 + 1, dtype=torch.int32, device=device))
 
-    dp.set_planning_doc_len(2048)
     with torch.device("meta"):
         model = Transformer(**cfg).to(dtype)
-    with device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+    with device_name_for_cost_model(), dp.planning(doc_len=2048), AutoParallel(model, input_fn, mesh) as autop:
         autop.add_input_constraints([tok_pl, cu_pl])
         autop.add_output_constraints([tok_pl])
         force_attention_layout(autop, force)

@@ -1,20 +1,22 @@
-"""doc-packed: document-packed (cu_seqlens) attention for automatic parallelism."""
+"""doc-packed: document-packed (cu_seqlens) attention for automatic parallelism.
+
+This package holds the op, its kernels and context parallelism; it never imports
+:mod:`shardings`. DTensor and AutoParallel need the sharding rules: ``import shardings`` once.
+"""
 
 from . import ops  # noqa: F401  (registers torch.ops.doc_packed.*)
-from ._flops import set_planning_doc_len
-from .api import doc_packed_attn
+from .api import doc_packed_attn, planning
 from .cp import ContextParallelPlan, plan_context_parallel
-from .layout import cu_seqlens_from_lengths, document_ids, pack_documents, positions
-
-import shardings as _shardings  # noqa: E402,F401  (registers the DTensor sharding rules)
+from .layout import cu_seqlens_from_lengths, document_ids, lognormal_lengths, pack_documents, positions
 
 __all__ = [
     "doc_packed_attn",
     "cu_seqlens_from_lengths",
     "document_ids",
+    "lognormal_lengths",
     "positions",
     "pack_documents",
-    "set_planning_doc_len",
+    "planning",
     "plan_context_parallel",
     "ContextParallelPlan",
 ]

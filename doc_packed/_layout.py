@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import _compat
+
 _T = TypeVar("_T")
 _CACHE_SIZE = 32
 
@@ -54,6 +56,12 @@ class DocLayout:
             return value
 
 
+def cp_degree(local_len: int, seq_len: int) -> int:
+    """How many ranks share a row of ``seq_len`` tokens when this one holds ``local_len``: 1 for
+    a local call, else the context-parallel degree whose ``torch.chunk`` gives ``local_len``."""
+    return -(-seq_len // local_len)
+
+
 def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
     """Raise ValueError naming the first row and rule that ``cu_seqlens`` breaks."""
     for b, row in enumerate(bounds):
@@ -80,10 +88,7 @@ _cache: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
 
 
 def _key(cu: torch.Tensor, seq_len: int) -> tuple:
-    try:
-        version = cu._version
-    except RuntimeError:  # inference tensors carry no version counter
-        version = None
+    version = _compat.tensor_version(cu)  # None for inference tensors
     return (cu.device, cu.data_ptr(), tuple(cu.shape), cu.stride(), version, seq_len)
 
 

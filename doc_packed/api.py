@@ -1,22 +1,52 @@
-"""The public entry point, :func:`doc_packed_attn`."""
+"""The public entry point, :func:`doc_packed_attn`, and :func:`planning`, the cost hint it carries."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import _compat, kernels
 from ._checks import check_qkv, check_scale, check_window
 
-__all__ = ["doc_packed_attn"]
+__all__ = ["doc_packed_attn", "planning"]
+
+_doc_len_hints: list[int] = []  # innermost ``with planning(...)`` last
+
+
+@contextlib.contextmanager
+def planning(*, doc_len: int | None) -> Iterator[None]:
+    """Within this block, :func:`doc_packed_attn` calls that do not pass ``planning_doc_len``
+    carry ``doc_len`` (``None``: one document per row, the default outside any block).
+
+    Wrap tracing with it: ``with dp.planning(doc_len=2048), AutoParallel(model, ...) as autop:``.
+    The hint becomes an argument of every traced attention call, so the graph, AutoParallel's
+    cost cache and :func:`shardings.autoparallel.describe_attention` all see the value the
+    model was planned with; two models planned with different hints never share costs.
+    """
+    value = _check_doc_len(doc_len)
+    _doc_len_hints.append(value)
+    try:
+        yield
+    finally:
+        _doc_len_hints.pop()
+
+
+def _check_doc_len(doc_len: object) -> int:
+    if doc_len is None:
+        return 0
+    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or doc_len < 1:
+        raise ValueError(f"planning_doc_len must be a positive int or None, got {doc_len!r}")
+    return doc_len
 
 
 @torch.compiler.assume_constant_result
 def _group_size(group_name: str) -> int:
     """Size of a named process group: a constant to torch.compile (no graph break)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return dist.get_world_size(_resolve_process_group(group_name))
+    return dist.get_world_size(_compat.resolve_process_group(group_name))
 
 
 def _group_name(group: dist.ProcessGroup | str) -> tuple[str, int]:
@@ -31,6 +61,11 @@ def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """A plain ``cu_seqlens`` next to DTensor inputs describes the whole batch: replicate it."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    if isinstance(q, DTensor) and "shardings" not in sys.modules:
+        raise RuntimeError(
+            "q is a DTensor but the doc_packed sharding rules are not registered: "
+            "`import shardings` once (it registers them with DTensor)"
+        )
     if isinstance(q, DTensor) and not isinstance(cu_seqlens, DTensor):
         return DTensor.from_local(
             cu_seqlens, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False
@@ -51,6 +86,7 @@ def doc_packed_attn(
     backend: str = "auto",
     cp_group: dist.ProcessGroup | str | None = None,
     seq_len: int | None = None,
+    planning_doc_len: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention that stays inside each packed document.
 
@@ -72,6 +108,9 @@ def doc_packed_attn(
             ``torch.chunk`` of the sequence dim, ``cu_seqlens`` is the whole rows' layout.
         seq_len: with ``cp_group``, the whole row length when the chunks are uneven
             (default: local length times group size).
+        planning_doc_len: mean document length that cost estimates on fake tensors assume
+            (AutoParallel's solver, compile-time flop counts); real runs count exactly. Default:
+            the innermost :func:`planning` block's, else one document per row.
 
     Returns:
         ``out`` ``[B, S, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
@@ -95,8 +134,12 @@ def doc_packed_attn(
         )
     else:
         seq_len = local_len
+    if planning_doc_len is None:
+        doc_len = _doc_len_hints[-1] if _doc_len_hints else 0
+    else:
+        doc_len = _check_doc_len(planning_doc_len)
     cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = torch.ops.doc_packed.attn_fwd(
-        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name
+        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len
     )
     return (out, lse) if return_lse else out

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import Transformer, lognormal_lengths
+from doc_packed.examples import Transformer
+from doc_packed.layout import lognormal_lengths
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
@@ -84,10 +85,9 @@ def _autoparallel_model(args, mesh, batches, init):
 
     with torch.device("meta"):
         model = Transformer(**MODEL).double()
-    dp.set_planning_doc_len(args.mean_doc)
     # AutoParallel's cost model looks up the device's peak FLOP/s by name; CPUs have none
     with patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True):
-        with AutoParallel(model, input_fn, mesh) as autop:
+        with dp.planning(doc_len=args.mean_doc), AutoParallel(model, input_fn, mesh) as autop:
             autop.add_input_constraints([(Shard(1),), (Replicate(),)])
             autop.add_output_constraints([(Shard(1),)])
             if not args.free:

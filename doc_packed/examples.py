@@ -3,8 +3,6 @@ the end-to-end tests and the benchmarks (not part of the library's API)."""
 
 from __future__ import annotations
 
-import math
-import random
 
 import torch
 from torch import nn
@@ -66,7 +64,7 @@ def training_flops(model: nn.Module, cu_seqlens: torch.Tensor, seq_len: int) -> 
     ``cu_seqlens``: ``6 * tokens * (weights of every Linear)`` plus, per attention layer, 3.5x
     the forward's ``4 * pairs * H_q * D`` (the flash convention used in docs/benchmarks.md), with
     ``pairs`` the exact (query, key) pairs of the layout. The MFU numerator of the benchmarks."""
-    from doc_packed._flops import total_pairs
+    from doc_packed.flops import total_pairs
 
     tokens = cu_seqlens.shape[0] * seq_len
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
@@ -77,19 +75,6 @@ def training_flops(model: nn.Module, cu_seqlens: torch.Tensor, seq_len: int) -> 
             pairs = total_pairs(cu_seqlens.cpu(), seq_len, True, left, 0)
             flops += 3.5 * 4 * pairs * m.n_heads * m.head_dim
     return flops
-
-
-def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, sigma: float = 1.0) -> list[int]:
-    """Document lengths summing to ``total``: lognormal draws of mean ``mean`` (log-space
-    deviation ``sigma``), at least 1 token, the last one cut to fit. Deterministic per seed."""
-    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    out, left = [], total
-    while left > 0:
-        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
-        out.append(n)
-        left -= n
-    return out
 
 
 def random_attention_problem(

@@ -7,11 +7,13 @@ every row and every rank sees the same shape.
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["cu_seqlens_from_lengths", "document_ids", "positions", "pack_documents"]
+__all__ = ["cu_seqlens_from_lengths", "document_ids", "lognormal_lengths", "positions", "pack_documents"]
 
 
 def cu_seqlens_from_lengths(
@@ -106,3 +108,16 @@ def pack_documents(
         [[p.shape[0] for p in row] for row in rows], seq_len, max_docs=max_docs
     )
     return out, cu
+
+
+def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, sigma: float = 1.0) -> list[int]:
+    """Document lengths summing to ``total``: lognormal draws of mean ``mean`` (log-space
+    deviation ``sigma``), at least 1 token, the last one cut to fit. Deterministic per seed."""
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    out, left = [], total
+    while left > 0:
+        n = max(1, min(left, int(rng.lognormvariate(mu, sigma))))
+        out.append(n)
+        left -= n
+    return out

@@ -1,8 +1,9 @@
 """The ``doc_packed`` custom ops: forward and backward, fake kernels, autograd, flop formulas.
 
 ``doc_packed::attn_fwd(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale,
-backend, cp_group) -> (out, lse)`` and ``doc_packed::attn_bwd(dout, q, k, v, out, lse,
-cu_seqlens, ...same...) -> (dq, dk, dv)``.
+backend, cp_group, planning_doc_len) -> (out, lse)`` and ``doc_packed::attn_bwd(dout, q, k, v,
+out, lse, cu_seqlens, ...same...) -> (dq, dk, dv)``. :data:`FWD_ARGS` / :data:`BWD_ARGS` are the
+one place these positions are written down; :func:`arg_index` reads them.
 
 ``seq_len`` is the length of a *whole* row. When ``q.shape[1] == seq_len`` the call is local.
 When it is smaller, the tensors are this rank's ``torch.chunk`` of the sequence dim and
@@ -10,6 +11,10 @@ When it is smaller, the tensors are this rank's ``torch.chunk`` of the sequence 
 context-parallel exchange (:mod:`doc_packed.cp`). Sharding rules and AutoParallel see the
 sequence-sharded call through that mismatch, which is also how the flop formula knows the
 sequence-parallel degree from local shapes alone.
+
+``planning_doc_len`` only shapes cost estimates made on fake tensors (the mean document length
+to assume when ``cu_seqlens`` has no values; 0: one document per row). It travels with the call,
+so a traced graph and AutoParallel's cost cache carry it (:func:`doc_packed.planning`).
 
 Autograd saves ``(q, k, v, out, lse)`` and calls ``attn_bwd``: the forward is never recomputed.
 A gradient flowing into ``lse`` (when the caller uses it) is handled by composing the two ops.
@@ -20,14 +25,24 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from . import _flops, kernels
-from ._layout import DocLayout, get_layout
+from . import flops, kernels
+from ._layout import DocLayout, cp_degree, get_layout
+from .kernels import lse_dtype
 
-__all__ = ["attn_bwd", "attn_fwd", "lse_dtype"]
+__all__ = ["BWD_ARGS", "FWD_ARGS", "arg_index", "attn_bwd", "attn_fwd", "cp_degree", "lse_dtype"]
+
+_SHARED_ARGS = (
+    "cu_seqlens", "seq_len", "causal", "window_left", "window_right", "scale", "backend", "cp_group",
+    "planning_doc_len",
+)
+FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *_SHARED_ARGS)
+BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *_SHARED_ARGS)
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def arg_index(op: object, name: str) -> int:
+    """Position of argument ``name`` in ``op`` (``attn_fwd``/``attn_bwd``, packet or overload)."""
+    fwd = op in (torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_fwd.default)
+    return (FWD_ARGS if fwd else BWD_ARGS).index(name)
 
 
 def local_spec(layout: DocLayout, causal: bool, left: int, right: int) -> kernels.VarlenSpec:
@@ -47,7 +62,7 @@ def _local_problem(cu_seqlens, seq_len, causal, left, right) -> kernels.VarlenSp
 
 
 def _check_local(q: torch.Tensor, seq_len: int) -> None:
-    if q.shape[1] != seq_len:
+    if cp_degree(q.shape[1], seq_len) != 1:
         raise ValueError(
             f"q holds {q.shape[1]} of {seq_len} tokens per row (a sequence shard) but no "
             "context-parallel group was given. Under AutoParallel call "
@@ -73,6 +88,7 @@ def attn_fwd(
     scale: float,
     backend: str,
     cp_group: str | None,
+    planning_doc_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -89,7 +105,7 @@ def attn_fwd(
 
 
 @attn_fwd.register_fake
-def _(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group):
+def _(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, planning_doc_len=0):
     B, S, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
 
@@ -110,6 +126,7 @@ def attn_bwd(
     scale: float,
     backend: str,
     cp_group: str | None,
+    planning_doc_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -130,7 +147,7 @@ def attn_bwd(
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backend, cp_group):
+def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backend, cp_group, planning_doc_len=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -155,15 +172,15 @@ def _backward(ctx, dout, dlse):
         #   dq_i += scale * dlse_i * sum_j p_ij k_j     (attention with values := keys)
         #   dk_j += scale * sum_i p_ij dlse_i q_i        (the dV slot of a backward whose
         #                                                 output gradient is scale*dlse*q)
-        scale = args[4]
-        w = dlse.to(torch.float32 if q.dtype != torch.float64 else q.dtype).transpose(1, 2)
+        scale = args[FWD_ARGS.index("scale") - 4]
+        w = dlse.to(lse_dtype(q.dtype)).transpose(1, 2)
         w = w[..., None]  # [B, S, Hq, 1]
         pk, _ = torch.ops.doc_packed.attn_fwd(q, k, k, cu_seqlens, *args)
         dq = dq + (scale * w * pk.to(w.dtype)).to(dq.dtype)
         g = (scale * w * q.to(w.dtype)).to(q.dtype)
         _, _, dk_extra = torch.ops.doc_packed.attn_bwd(g, q, k, k, out, lse, cu_seqlens, *args)
         dk = dk + dk_extra
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *([None] * (len(FWD_ARGS) - 3))
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -172,15 +189,19 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- flop formulas
 
 
-@register_flop_formula(torch.ops.doc_packed.attn_fwd, get_raw=True)
-def _attn_fwd_flop(q, k, v, cu_seqlens, seq_len, causal, wl, wr, *args, out_val=None, **kw):
-    return _flops.attention_flops(
-        q, k.shape[2], cu_seqlens, seq_len, causal, wl, wr, args[-1], backward=False
+def _flop_count(names: tuple[str, ...], args: tuple, kwargs: dict, backward: bool) -> int:
+    a = dict(zip(names, args), **kwargs)
+    return flops.attention_flops(
+        a["q"], a["k"].shape[2], a["cu_seqlens"], a["seq_len"], a["causal"], a["window_left"],
+        a["window_right"], a["cp_group"], backward=backward, doc_len=a.get("planning_doc_len", 0),
     )
+
+
+@register_flop_formula(torch.ops.doc_packed.attn_fwd, get_raw=True)
+def _attn_fwd_flop(*args, out_val=None, **kwargs):
+    return _flop_count(FWD_ARGS, args, kwargs, backward=False)
 
 
 @register_flop_formula(torch.ops.doc_packed.attn_bwd, get_raw=True)
-def _attn_bwd_flop(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, *args, out_val=None, **kw):
-    return _flops.attention_flops(
-        q, k.shape[2], cu_seqlens, seq_len, causal, wl, wr, args[-1], backward=True
-    )
+def _attn_bwd_flop(*args, out_val=None, **kwargs):
+    return _flop_count(BWD_ARGS, args, kwargs, backward=True)

@@ -21,22 +21,28 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
-from doc_packed import _flops
+from doc_packed import flops
+from doc_packed.ops import arg_index
 
+from ._ap_compat import chosen_decisions
+from ._compat import unset_fake_temporarily
 from .costs import exchange_bytes, representative_plan
 from .strategies import kind_of
 
 __all__ = ["lower_context_parallel", "describe_attention", "force_attention_layout", "AttentionChoice"]
 
-_OPS = {
-    torch.ops.doc_packed.attn_fwd.default: ("forward", 0, 4, 10),  # (role, q, seq_len, cp_group)
-    torch.ops.doc_packed.attn_bwd.default: ("backward", 1, 7, 13),
-}
+_ROLES = {torch.ops.doc_packed.attn_fwd.default: "forward", torch.ops.doc_packed.attn_bwd.default: "backward"}
+
+
+def _arg(node, name: str):
+    """Argument ``name`` of a traced ``doc_packed`` node (positional or keyword)."""
+    i = arg_index(node.target, name)
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, 0 if name == "planning_doc_len" else None)
 
 
 def _attention_nodes(placement):
     for node, spec in placement.items():
-        if getattr(node, "op", None) == "call_function" and node.target in _OPS:
+        if getattr(node, "op", None) == "call_function" and node.target in _ROLES:
             yield node, spec
 
 
@@ -54,8 +60,8 @@ def lower_context_parallel(autop, placement):
     """
     mesh = autop.mesh
     for node, spec in _attention_nodes(placement):
-        _, q_index, _, group_index = _OPS[node.target]
-        dim = _sequence_dim(spec, q_index)
+        group_index = arg_index(node.target, "cp_group")
+        dim = _sequence_dim(spec, arg_index(node.target, "q"))
         if dim is None:
             continue
         args = list(node.args)
@@ -87,8 +93,8 @@ def force_attention_layout(autop, layout: dict[str, str]) -> None:
         if k not in KINDS:
             raise ValueError(f"unknown kind {k!r}; expected one of {KINDS}")
     for node in autop.gm.graph.nodes:
-        if node.op == "call_function" and node.target in _OPS:
-            table = FWD if _OPS[node.target][0] == "forward" else BWD
+        if node.op == "call_function" and node.target in _ROLES:
+            table = FWD if _ROLES[node.target] == "forward" else BWD
             placement = tuple(table[k][0][0] for k in kinds)
             autop.sharding_optimizer.add_node_constraint(node, placement)
 
@@ -124,20 +130,17 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
     """Every ``doc_packed`` node's chosen placement, cost estimates and CP plan, in words.
 
     ``cu_seqlens`` (a real, global one) makes the CP figures those of that layout; by default
-    they come from the planning assumption (:func:`doc_packed.set_planning_doc_len`). For the
+    they come from the node's planning hint (:func:`doc_packed.planning`). For the
     rest of the graph see ``autop.sharding_optimizer.get_json()`` (placements, costs and source
     line of every node) and ``autop.sharding_optimizer.get_log(verbose=True)``.
     """
-    optimizer = autop.sharding_optimizer
-    chosen: dict = {}
-    for key in optimizer.selected_keys:
-        chosen.setdefault(optimizer.nodes[key[0]], []).append(optimizer._resolve_decision_var(key))
+    chosen, normalize = chosen_decisions(autop.sharding_optimizer)
     mesh = autop.mesh
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
     choices = []
     for node, spec in _attention_nodes(placement):
-        role, q_index, len_index, _ = _OPS[node.target]
-        concrete = optimizer._normalize_node(node)
+        role, q_index = _ROLES[node.target], arg_index(node.target, "q")
+        concrete = normalize(node)
         kinds = kind_of(spec.input_specs[q_index].placements)
         dvs = chosen.get(concrete, [])
         compute = sum(dv.compute_cost for dv in dvs)
@@ -156,18 +159,16 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
                     rows //= mesh.size(d)
                 if p == Shard(2):
                     Hq, Hkv = Hq // mesh.size(d), Hkv // mesh.size(d)
-            causal, left, right = node.args[len_index + 1 : len_index + 4]
+            causal, left, right = (_arg(node, n) for n in ("causal", "window_left", "window_right"))
             if cu_seqlens is not None:
                 import doc_packed
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
                 with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
                     plan = doc_packed.plan_context_parallel(
                         cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
                     )
                 rows_per_plan = 1
             else:
-                doc_len = min(_flops.planning_doc_len() or S, S)
+                doc_len = flops.planned_doc_len(_arg(node, "planning_doc_len"), S)
                 plan = representative_plan(S, doc_len, cp, causal, left, right, Hq / Hkv)
                 rows_per_plan = rows
             nbytes = sum(

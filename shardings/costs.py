@@ -5,7 +5,7 @@ AutoParallel prices an op by running it on sharded fake tensors under ``FlopCoun
 redistribution it implies. So:
 
 - replicate / batch / heads / sequence strategies get their true compute from the flop
-  formula (:mod:`doc_packed._flops`): local shapes, the causal/window discount, and a
+  formula (:mod:`doc_packed.flops`): local shapes, the causal/window discount, and a
   ``1/c`` share for a ``c``-way sequence shard;
 - the sequence strategy's *internal* AllToAll-V is invisible to the edge pricing, so while
   AutoParallel plans (its mesh is the current mesh and the call is a sequence shard with no
@@ -16,24 +16,25 @@ redistribution it implies. So:
   model: that one multiplies its estimate by 5 (a FIXME in its source), while on 2 x H200
   ``all_to_all_single`` measured 283 GB/s against all-gather's 256 GB/s. Ulysses-style
   ``Shard(1) -> Shard(2)`` redistributions are still priced by AutoParallel's own model.
-  The mesh dim is the one the priced strategy shards the sequence on (read from AutoParallel's
-  ``estimate_strategy_runtime_cost`` frame; the formula itself only sees local shapes).
+  The formula sees local shapes only, so the mesh dim is inferred: the dim of size ``cp``;
+  where several dims have that size (e.g. a 2 x 2 mesh) the exchange is priced on the slowest
+  of them, which is exact within one host (every dim has the same links) and conservative
+  across hosts.
   The traffic and the imbalance come from our real planner run on a representative layout:
-  rows of lognormal documents of mean :func:`doc_packed.set_planning_doc_len` tokens
-  (default: one document per row, the worst case for context parallelism's traffic).
+  rows of lognormal documents of the call's ``planning_doc_len`` tokens (:func:`doc_packed.planning`;
+  default: one document per row, the worst case for context parallelism's traffic).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
-from torch.distributed.tensor.placement_types import Shard
+from doc_packed import flops, plan_context_parallel
+from doc_packed.layout import lognormal_lengths
+from doc_packed.ops import cp_degree
 
-from doc_packed import _flops
-from doc_packed._layout import DocLayout
-from doc_packed.cp.plan import build_plan
-from doc_packed.examples import lognormal_lengths
+from ._ap_compat import collective_cost_us, device_tflops, installed
+from ._compat import current_mesh, mesh_topology
 
 __all__ = ["representative_plan", "exchange_bytes", "register"]
 
@@ -54,8 +55,10 @@ def representative_bounds(seq_len: int, doc_len: int) -> list[int]:
 @functools.lru_cache(maxsize=256)
 def representative_plan(seq_len: int, doc_len: int, cp: int, causal: bool, left: int, right: int, query_cost: float):
     """Our planner on one representative row (:func:`representative_bounds`)."""
-    layout = DocLayout([representative_bounds(seq_len, doc_len)], seq_len)
-    return build_plan(layout, cp, causal, left, right, query_cost=query_cost)
+    return plan_context_parallel(
+        [representative_bounds(seq_len, doc_len)], cp, causal=causal, window_size=(left, right),
+        query_cost=query_cost,
+    )
 
 
 def exchange_bytes(
@@ -77,68 +80,39 @@ def exchange_bytes(
     return kv_side + q_side
 
 
-def _autoparallel_pricing():
-    """(collective_comm_cost, MeshTopoInfo, peak_tflops_fn) if AutoParallel is planning now."""
-    try:
-        from autoparallel.cost_models.collective_runtime_estimation import collective_comm_cost
-        from autoparallel.cost_models.compute_estimation import _get_device_tflops
-        from torch.distributed.device_mesh import _mesh_resources
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    except ImportError:
-        return None
-    try:
-        mesh = _mesh_resources.get_current_mesh()
-    except RuntimeError:
-        return None
-    return mesh, collective_comm_cost, MeshTopoInfo, _get_device_tflops
-
-
-def _sequence_mesh_dim(mesh, cp: int, backward: bool) -> int | None:
-    """The mesh dim that shards the sequence in the strategy AutoParallel is pricing.
-
-    AutoParallel calls the flop formula from ``estimate_strategy_runtime_cost(node, strategy)``
-    with fake tensors of the sharded shapes only; the strategy in that frame says which mesh
-    dim holds ``Shard(1)``. Without it (another caller), the innermost dim of size ``cp``.
-    """
-    frame = sys._getframe()
-    for _ in range(40):
-        frame = frame.f_back
-        if frame is None:
-            break
-        if frame.f_code.co_name == "estimate_strategy_runtime_cost":
-            strategy = frame.f_locals.get("strategy")
-            specs = getattr(strategy, "input_specs", None)
-            if specs:
-                placements = specs[1 if backward else 0].placements
-                dims = [d for d, p in enumerate(placements) if p == Shard(1)]
-                if dims:
-                    return dims[0]
-            break
+def _exchange_us(mesh, cp: int, nbytes: list[int]) -> float | None:
+    """AutoParallel's time for the exchange's collectives on the mesh dim of size ``cp`` (the
+    slowest such dim when several have that size); None when no dim has it."""
     dims = [d for d in range(mesh.ndim) if mesh.size(d) == cp]
-    return dims[-1] if dims else None
-
-
-def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops):
-    """Flop count of a sequence-sharded call while AutoParallel plans: imbalance + exchange."""
-    pricing = _autoparallel_pricing()
-    if pricing is None:
-        return flops
-    mesh, comm_cost, topo_cls, tflops = pricing
-    rows, local_len, q_heads, head_dim = q_shape
-    cp = -(-seq_len // local_len)
-    dim = _sequence_mesh_dim(mesh, cp, backward)
-    if dim is None:
-        return flops
-    doc_len = min(_flops.planning_doc_len() or seq_len, seq_len)
-    plan = representative_plan(seq_len, doc_len, cp, causal, left, right, q_heads / kv_heads)
-    topo = topo_cls.build_from_mesh(mesh)
+    if not dims:
+        return None
+    topology = mesh_topology(mesh)
     # the all-gather model takes the gathered size; per rank it moves (n-1)/n of it
-    us = sum(
-        comm_cost("allgather", int(b * cp / max(cp - 1, 1)), tuple(mesh.shape), dim, topo)
-        for b in exchange_bytes(plan, rows, q_heads, kv_heads, head_dim, dtype.itemsize, backward)
+    return max(
+        sum(
+            collective_cost_us("allgather", int(b * cp / max(cp - 1, 1)), mesh.shape, d, topology)
+            for b in nbytes
+        )
+        for d in dims
     )
-    return int(flops * plan.imbalance + us * 1e-6 * tflops(dtype) * 1e12 * 0.7)
+
+
+def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flop_count, doc_len):
+    """Flop count of a sequence-sharded call while AutoParallel plans: imbalance + exchange."""
+    mesh = current_mesh()
+    if mesh is None or not installed():
+        return flop_count
+    rows, local_len, q_heads, head_dim = q_shape
+    cp = cp_degree(local_len, seq_len)
+    doc_len = flops.planned_doc_len(doc_len, seq_len)
+    plan = representative_plan(seq_len, doc_len, cp, causal, left, right, q_heads / kv_heads)
+    nbytes = exchange_bytes(plan, rows, q_heads, kv_heads, head_dim, dtype.itemsize, backward)
+    us = _exchange_us(mesh, cp, nbytes)
+    if us is None:
+        return flop_count
+    return int(flop_count * plan.imbalance + us * 1e-6 * device_tflops(dtype) * 1e12 * 0.7)
 
 
 def register() -> None:
-    _flops.planning_cost_hook = _planning_cost
+    """Price sequence-sharded calls while a solver plans (idempotent)."""
+    flops.set_planning_cost(_planning_cost)

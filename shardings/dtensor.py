@@ -9,20 +9,14 @@ shards the sequence on a mesh dim, the local call gets that mesh dim's process g
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
-_CP_GROUP_INDEX = {"fwd": 10, "bwd": 13}
-_Q_INDEX = {"fwd": 0, "bwd": 1}
+from doc_packed.ops import arg_index
 
-
-def _which(op) -> str:
-    return "fwd" if op is torch.ops.doc_packed.attn_fwd.default else "bwd"
-
+from ._compat import install_custom_op_handler, op_dispatcher, tree_unflatten
 
 def _handler(op_call, args, kwargs):
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = op_dispatcher()
     info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(info)
     sharding = info.output_sharding
@@ -33,20 +27,18 @@ def _handler(op_call, args, kwargs):
         )
         schema = sharding.redistribute_schema
     local = list(
-        pytree.tree_unflatten(list(info.local_args), info.args_tree_spec)
+        tree_unflatten(list(info.local_args), info.args_tree_spec)
         if info.args_tree_spec
         else info.local_args
     )
-    which = _which(op_call)
-    q_spec = schema.args_schema[_Q_INDEX[which]]
+    q_spec = schema.args_schema[arg_index(op_call, "q")]
     seq_dims = [d for d, p in enumerate(q_spec.placements) if p == Shard(1)]
     if seq_dims:
-        local[_CP_GROUP_INDEX[which]] = info.compute_mesh.get_group(seq_dims[0]).group_name
+        local[arg_index(op_call, "cp_group")] = info.compute_mesh.get_group(seq_dims[0]).group_name
     result = op_call(*local, **info.local_kwargs)
     return dispatcher.wrap(result, sharding.output_spec)
 
 
 def register() -> None:
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers[torch.ops.doc_packed.attn_fwd.default] = _handler
-    handlers[torch.ops.doc_packed.attn_bwd.default] = _handler
+    install_custom_op_handler(torch.ops.doc_packed.attn_fwd.default, _handler)
+    install_custom_op_handler(torch.ops.doc_packed.attn_bwd.default, _handler)

@@ -28,12 +28,20 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from doc_packed.ops import lse_dtype
+from doc_packed.ops import arg_index, lse_dtype
+
+from ._compat import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TensorMeta,
+    generate_redistribute_costs,
+    register_op_strategy,
+)
 
 __all__ = ["KINDS", "FWD", "BWD", "offered_kinds", "kind_of"]
 
@@ -55,11 +63,6 @@ BWD: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {
     "heads": ((_S2,) * 3, (_S2,) * 5 + (_S1, _R)),
     "sequence": ((_S1,) * 3, (_S1,) * 5 + (_S2, _R)),
 }
-_Q_INDEX = {"fwd": 0, "bwd": 1}
-
-
-def _which(op: torch._ops.OpOverload) -> str:
-    return "fwd" if op is torch.ops.doc_packed.attn_fwd.default else "bwd"
 
 
 def offered_kinds(
@@ -92,16 +95,16 @@ def _meta(shape: Sequence[int], dtype: torch.dtype) -> TensorMeta:
 
 
 def _strategy(op_schema: OpSchema) -> OpStrategy:
-    which = _which(op_schema.op)
-    table = FWD if which == "fwd" else BWD
+    op = op_schema.op
+    table = FWD if op is torch.ops.doc_packed.attn_fwd.default else BWD
     args = op_schema.args_schema
     inputs = [a for a in args if isinstance(a, OpStrategy)]
     mesh = inputs[0].mesh
-    q_meta = inputs[_Q_INDEX[which]].strategies[0].output_spec.tensor_meta
-    k_meta = inputs[_Q_INDEX[which] + 1].strategies[0].output_spec.tensor_meta
+    q_meta = inputs[arg_index(op, "q")].strategies[0].output_spec.tensor_meta
+    k_meta = inputs[arg_index(op, "k")].strategies[0].output_spec.tensor_meta
     B, S, Hq, _ = q_meta.shape
     Hkv = k_meta.shape[2]
-    if which == "fwd":
+    if table is FWD:
         out_metas = [_meta(q_meta.shape, q_meta.dtype), _meta((B, Hq, S), lse_dtype(q_meta.dtype))]
     else:
         out_metas = [
@@ -126,9 +129,6 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
 
 def register() -> None:
     """Register both ops' strategies with DTensor (idempotent)."""
-    register_op_strategy(
-        torch.ops.doc_packed.attn_fwd.default, schema_info=RuntimeSchemaInfo(static_argnum=4)
-    )(_strategy)
-    register_op_strategy(
-        torch.ops.doc_packed.attn_bwd.default, schema_info=RuntimeSchemaInfo(static_argnum=7)
-    )(_strategy)
+    for op in (torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default):
+        # every argument from seq_len on is a non-tensor that keys DTensor's sharding cache
+        register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=arg_index(op, "seq_len")))(_strategy)

@@ -63,10 +63,9 @@ def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, step
     def input_fn():
         return (torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32))
 
-    dp.set_planning_doc_len(doc_len_hint)
     with torch.device("meta"):
         model = Transformer(**cfg).double()
-    with device_name_for_cost_model():
+    with device_name_for_cost_model(), dp.planning(doc_len=doc_len_hint):
         with AutoParallel(model, input_fn, mesh) as autop:
             autop.add_input_constraints([tok_pl, cu_pl])
             autop.add_output_constraints([o_pl])

@@ -6,7 +6,7 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import doc_packed  # noqa: E402,F401  (registers the ops and the sharding rules)
+import doc_packed  # noqa: E402,F401  (registers the ops; tests on DTensor import shardings)
 
 
 def random_lengths(rng: random.Random, seq_len: int, *, zero_docs: bool = True) -> list[int]:

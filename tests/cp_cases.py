@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
+import shardings  # noqa: F401  (DTensor rules)
 from oracle import reference
 
 

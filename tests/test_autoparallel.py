@@ -22,6 +22,7 @@ if not autoparallel_available():
     )
 
 import doc_packed as dp  # noqa: E402
+from doc_packed.ops import arg_index  # noqa: E402
 from ap_cases import ap_train  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from doc_packed.examples import Transformer  # noqa: E402
@@ -38,7 +39,6 @@ def fake_world():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     yield
     dist.destroy_process_group()
-    dp.set_planning_doc_len(None)
 
 
 def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
@@ -52,14 +52,15 @@ def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
     reset_placement_options_cache()
     reset_compute_cost_cache()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    dp.set_planning_doc_len(doc_len)
     with torch.device("meta"):
         model = Transformer(**cfg).to(torch.bfloat16)
 
     def input_fn():
         return torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32)
 
-    with gpus_per_host(8), device_name_for_cost_model(), AutoParallel(model, input_fn, mesh) as autop:
+    with gpus_per_host(8), device_name_for_cost_model(), dp.planning(doc_len=doc_len), AutoParallel(
+        model, input_fn, mesh
+    ) as autop:
         if inputs is not None:
             autop.add_input_constraints(inputs)
         placement = autop.optimize_placement()
@@ -92,7 +93,7 @@ def test_dp_tp_mesh_placements_and_lowering(S, doc_len, expected):
     group = autop.mesh.get_group(1).group_name
     for node in autop.gm.graph.nodes:
         if node.op == "call_function" and node.target in (torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default):
-            cp_group = node.args[10] if node.target is torch.ops.doc_packed.attn_fwd.default else node.args[13]
+            cp_group = node.args[arg_index(node.target, "cp_group")]
             assert cp_group == (group if expected["tp"] == "sequence" else None)
     assert all(c.compute_us > 0 for c in choices)
 

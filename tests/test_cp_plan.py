@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import doc_packed as dp
 from conftest import random_lengths
 from doc_packed.cp.exchange import build_exchange
-from doc_packed.examples import lognormal_lengths
+from doc_packed.layout import lognormal_lengths
 from oracle import dense_mask
 
 MASKS = [(True, (-1, -1)), (True, (6, 0)), (False, (-1, -1)), (False, (3, 5)), (False, (4, -1))]

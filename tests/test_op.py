@@ -205,15 +205,12 @@ def test_flop_formula_exact_and_planning(rng):
         with FlopCounterMode(display=False) as fc:
             torch.ops.doc_packed.attn_fwd(fq, fk, fv, fcu, S, True, -1, 0, 1.0, "auto", None)
         assert fc.get_total_flops() == 4 * B * (S * (S + 1) // 2) * Hq * D
-        dp.set_planning_doc_len(8)
-        try:
-            with FlopCounterMode(display=False) as fc:
-                torch.ops.doc_packed.attn_fwd(fq, fk, fv, fcu, S, True, -1, 0, 1.0, "auto", None)
-            assert fc.get_total_flops() == 4 * B * 5 * (8 * 9 // 2) * Hq * D
-            # a sequence shard (4-way) counts a quarter of the row's work
-            sq, sk, sv = (torch.empty(B, S // 4, h, D) for h in (Hq, Hkv, Hkv))
-            with FlopCounterMode(display=False) as fc:
-                torch.ops.doc_packed.attn_fwd(sq, sk, sv, fcu, S, True, -1, 0, 1.0, "auto", "g")
-            assert fc.get_total_flops() == 4 * B * 5 * (8 * 9 // 2) * Hq * D // 4
-        finally:
-            dp.set_planning_doc_len(None)
+        # the call's planning_doc_len: documents of 8 tokens
+        with FlopCounterMode(display=False) as fc:
+            torch.ops.doc_packed.attn_fwd(fq, fk, fv, fcu, S, True, -1, 0, 1.0, "auto", None, 8)
+        assert fc.get_total_flops() == 4 * B * 5 * (8 * 9 // 2) * Hq * D
+        # a sequence shard (4-way) counts a quarter of the row's work
+        sq, sk, sv = (torch.empty(B, S // 4, h, D) for h in (Hq, Hkv, Hkv))
+        with FlopCounterMode(display=False) as fc:
+            torch.ops.doc_packed.attn_fwd(sq, sk, sv, fcu, S, True, -1, 0, 1.0, "auto", "g", 8)
+        assert fc.get_total_flops() == 4 * B * 5 * (8 * 9 // 2) * Hq * D // 4

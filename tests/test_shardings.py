@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import shardings  # noqa: F401  (registers the rules these tests read)
 from cp_cases import dtensor_parity
 from dist_utils import run_ranks
 

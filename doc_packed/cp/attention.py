@@ -112,7 +112,7 @@ def _reduce_kv_grads(ex: RankExchange, dk_buf, dv_buf, T: int, group_name: str):
     """dK, dV of this rank's rows: its kernel's partial gradients plus those other ranks computed
     for its rows (GroupReduce). Sums run in float32 (float64 for float64 inputs)."""
     D = dk_buf.shape[-1]
-    acc = torch.float64 if dk_buf.dtype == torch.float64 else torch.float32
+    acc = kernels.lse_dtype(dk_buf.dtype)
     if ex.grad_runs is not None:  # each key row used at most once here: no accumulation buffer
         local_runs, recv_runs = ex.grad_runs
         dk, dv = assemble_or_zeros(local_runs, dk_buf), assemble_or_zeros(local_runs, dv_buf)
@@ -153,11 +153,10 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
         )
         outs.append(o)
         lses.append(l.t())
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out_buf = torch.cat(outs) if len(outs) != 1 else outs[0]
     lse_buf = (torch.cat(lses) if len(lses) != 1 else lses[0]).contiguous()
     if not outs:
-        out_buf, lse_buf = q.new_empty((0, Hq, D)), q.new_empty((0, Hq), dtype=lse_dtype)
+        out_buf, lse_buf = q.new_empty((0, Hq, D)), q.new_empty((0, Hq), dtype=kernels.lse_dtype(q.dtype))
     out = _return_rows(ex, out_buf, group_name).reshape(B, L, Hq, D)
     lse = _return_rows(ex, lse_buf, group_name).reshape(B, L, Hq)
     return out.contiguous(), lse.permute(0, 2, 1).contiguous()

@@ -15,14 +15,15 @@ import struct
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .. import _compat
 
 __all__ = ["all_to_all", "group_cast", "group_reduce", "check_agreement", "group_info"]
 
 
 def group_info(group_name: str) -> tuple[int, int]:
     """``(rank, size)`` of this process in the named group."""
-    pg = _resolve_process_group(group_name)
+    pg = _compat.resolve_process_group(group_name)
     return dist.get_rank(pg), dist.get_world_size(pg)
 
 
@@ -30,10 +31,7 @@ def all_to_all(
     x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str
 ) -> torch.Tensor:
     """AllToAll-V along dim 0: ``x`` holds ``send_splits[p]`` rows for peer ``p`` in order."""
-    out = torch.ops._c10d_functional.all_to_all_single(
-        x.contiguous(), recv_splits, send_splits, group_name
-    )
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _compat.all_to_all_single(x.contiguous(), recv_splits, send_splits, group_name)
 
 
 def group_cast(
@@ -75,8 +73,7 @@ def check_agreement(
     """
     rank, size = group_info(group_name)
     mine = torch.cat([fingerprint(*parts), torch.tensor([int(local_error is not None)])])
-    got = torch.ops._c10d_functional.all_gather_into_tensor(mine.to(device), size, group_name)
-    got = torch.ops._c10d_functional.wait_tensor(got).view(size, 3).cpu()
+    got = _compat.all_gather_into_tensor(mine.to(device), size, group_name).view(size, 3).cpu()
     if local_error is not None:
         raise local_error
     failed = [r for r in range(size) if got[r, 2] != 0]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import VarlenSpec
-from .plan import ContextParallelPlan, Segment
+from .plan import ContextParallelPlan, Segment, chunk_len
 
 
 Run = tuple[int, int, int]  # (source: 0 local / 1 received, first row, rows)
@@ -148,7 +148,7 @@ def _parts(b: int, s: int, e: int, owners: list[tuple[int, int]], cs: int):
 def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankExchange:
     owners = plan.owners
     c = plan.cp_size
-    cs = -(-plan.seq_len // c)
+    cs = chunk_len(plan.seq_len, c)
     lens = [e - s for s, e in owners]
     my_start, _ = owners[rank]
     L = lens[rank]

@@ -23,12 +23,13 @@ the group size and the mask, so every rank computes the same one.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .._checks import check_window
-from .._layout import DocLayout, get_layout
+from .._layout import DocLayout, get_layout, validate_bounds
 from .._mask import key_bounds, prefix_pairs
 
 __all__ = ["ContextParallelPlan", "plan_context_parallel", "build_plan", "owner_ranges"]
@@ -37,9 +38,14 @@ _TOP_PIECES = 4
 _TOP_RECEIVERS = 3
 
 
+def chunk_len(seq_len: int, cp_size: int) -> int:
+    """``torch.chunk``'s chunk length: ``ceil(seq_len / cp_size)`` (the last chunk may be shorter)."""
+    return -(-seq_len // cp_size)
+
+
 def owner_range(seq_len: int, cp_size: int, rank: int) -> tuple[int, int]:
     """``torch.chunk`` semantics: rank ``r`` holds ``[r * c, (r + 1) * c)`` with ``c = ceil(S / n)``."""
-    cs = -(-seq_len // cp_size)
+    cs = chunk_len(seq_len, cp_size)
     return min(rank * cs, seq_len), min((rank + 1) * cs, seq_len)
 
 
@@ -117,7 +123,7 @@ class _Planner:
         self.S, self.c = seq_len, cp_size
         self.causal, self.left, self.right = causal, left, right
         self.query_cost, self.tolerance = query_cost, tolerance
-        self.cs = -(-seq_len // cp_size)
+        self.cs = chunk_len(seq_len, cp_size)
         self.owned = owner_ranges(seq_len, cp_size)
         self.rows = layout_rows
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
@@ -376,7 +382,7 @@ def build_plan(
 
 
 def plan_context_parallel(
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[Sequence[int]],
     cp_size: int,
     *,
     causal: bool = True,
@@ -386,17 +392,23 @@ def plan_context_parallel(
 ) -> ContextParallelPlan:
     """The plan context parallelism runs for this layout over ``cp_size`` ranks.
 
-    ``cu_seqlens`` is the whole rows' ``[B, MAX_DOCS + 1]`` layout (any device; read once).
+    ``cu_seqlens`` is the whole rows' ``[B, MAX_DOCS + 1]`` layout (any device; read once), or
+    the same boundaries as lists of ints per row (no tensor: usable under a fake-tensor mode).
     ``query_cost`` is what moving one query costs relative to one key/value token (the runtime
     uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean.
     """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError("cu_seqlens must be a torch.Tensor")
-    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
-        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1], got {tuple(cu_seqlens.shape)}")
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     left, right = check_window(causal, window_size)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        bounds = [[int(x) for x in row] for row in cu_seqlens]
+        if not bounds or any(len(row) < 2 for row in bounds):
+            raise ValueError("cu_seqlens as lists needs at least one row of at least two boundaries")
+        validate_bounds(bounds, bounds[0][-1])
+        layout = DocLayout(bounds, bounds[0][-1])
+        return build_plan(layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance)
+    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
+        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1], got {tuple(cu_seqlens.shape)}")
     seq_len = int(cu_seqlens[0, -1])
     layout = get_layout(cu_seqlens, seq_len)
     return layout.derived(

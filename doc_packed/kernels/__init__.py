@@ -26,11 +26,11 @@ from typing import NamedTuple
 import torch
 
 from . import blockwise, fa4, flash, flex
-from .spec import VarlenSpec
+from .spec import VarlenSpec, lse_dtype
 
 __all__ = [
     "BACKENDS", "TABLE", "Backend", "VarlenSpec", "backward", "check_backend", "choose", "forward",
-    "reasons",
+    "lse_dtype", "reasons",
 ]
 
 
@@ -128,8 +128,7 @@ def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: 
 def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):
     """``(out [T_q, H_q, D], lse [H_q, T_q])`` of a packed problem."""
     if spec.total_q == 0:
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return torch.empty_like(q), q.new_empty((q.shape[1], 0), dtype=lse_dtype)
+        return torch.empty_like(q), q.new_empty((q.shape[1], 0), dtype=lse_dtype(q.dtype))
     return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale))
 
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .spec import VarlenSpec
+from .spec import VarlenSpec, lse_dtype
 
 BLOCK_Q = 128
 BLOCK_K = 512
@@ -49,10 +49,6 @@ def _plan_blocks(spec: VarlenSpec) -> list[_Block]:
             tiles.append((k0, k1, not (all_live and max_lo <= k0 and min_hi >= k1 - 1)))
         blocks.append(_Block(t0, t1, tiles))
     return blocks
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _heads_first(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +91,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T_q, H_q, D], lse [H_q, T_q])``; lse is float32 (float64 for float64 inputs)."""
     hkv = k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = lse_dtype(q.dtype)
     blocks = spec.cached("blocks", lambda: _plan_blocks(spec))
     lo, hi = _device_bounds(spec, q.device)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
@@ -141,7 +137,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from the saved ``out`` and ``lse`` (no forward recompute)."""
     hkv = k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = lse_dtype(q.dtype)
     blocks = spec.cached("blocks", lambda: _plan_blocks(spec))
     lo, hi = _device_bounds(spec, q.device)
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from .. import _compat
 from .spec import VarlenSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -18,11 +19,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.cache
 def _ops():
-    import torch.nn.attention.varlen
-
-    fwd = torch.ops.torch_attn._varlen_attn.default
-    bwd = torch.ops.torch_attn._varlen_attn_backward.default
-    return fwd, {a.name for a in fwd._schema.arguments}, bwd, {a.name for a in bwd._schema.arguments}
+    fwd, bwd = _compat.varlen_attn_ops()
+    return fwd, _compat.op_argument_names(fwd), bwd, _compat.op_argument_names(bwd)
 
 
 def available() -> bool:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .. import _compat
 from .spec import VarlenSpec
 
 BLOCK = 128
@@ -36,13 +37,10 @@ def available() -> bool:
     """Whether flex_attention's Triton kernels can be built here (torch + triton)."""
     try:
         import triton  # noqa: F401
-        from torch._higher_order_ops.flex_attention import (  # noqa: F401
-            create_fw_bw_graph,
-            flex_attention,
-            flex_attention_backward,
-        )
         from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
-    except (ImportError, AttributeError):
+
+        _compat.create_fw_bw_graph(), _compat.flex_attention_hop(), _compat.flex_attention_backward_hop()
+    except ImportError:
         return False
     return True
 
@@ -179,10 +177,8 @@ def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
 def _kernel_options() -> dict:
     opts = {"BACKEND": "TRITON"}
     try:
-        from torch.nn.attention.flex_attention import _apply_kernel_options
-
         dummy = torch.empty(0)
-        opts = _apply_kernel_options(dummy, dummy, dummy, True, opts)
+        opts = _compat.apply_kernel_options()(dummy, dummy, dummy, True, opts)
     except (ImportError, TypeError, ValueError):  # pragma: no cover - older/newer torch
         opts.update(
             PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False,
@@ -195,8 +191,7 @@ def _kernel_options() -> dict:
 @functools.cache
 def _score_graphs(device: torch.device, dtype: torch.dtype):
     """flex's ``(fw_graph, joint_graph)`` of the identity score_mod, built once."""
-    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
-
+    create_fw_bw_graph = _compat.create_fw_bw_graph()
     scalar = torch.zeros((), device=device, dtype=dtype, requires_grad=True)
     index = tuple(torch.zeros((), device=device, dtype=torch.int) for _ in range(4))
     return create_fw_bw_graph(_score_mod, (scalar, *index), ())
@@ -216,9 +211,7 @@ def _compile(key, fn, inputs, compile_graph: bool):
     try:
         gm = make_fx(fn, tracing_mode="fake")(*inputs)
         if compile_graph:
-            from torch._inductor.compile_fx import compile_fx
-
-            compiled = compile_fx(gm, list(inputs))
+            compiled = _compat.compile_fx()(gm, list(inputs))
         else:  # CPU tests: run the traced graph eagerly (flex's dense math path)
             compiled = gm
     except Exception as err:
@@ -267,8 +260,7 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
     q4, k4, v4 = _views(spec, q, k, v)
 
     def make_fn():
-        from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-
+        flex_hop = _compat.flex_attention_hop()
         opts = dict(_kernel_options())  # a private copy per traced pass
 
         def run(q4, k4, v4, lo, hi, *bt):
@@ -294,8 +286,7 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
     lse2 = (lse / _LN2).view(lse.shape[0], B, -1).transpose(0, 1).contiguous()
 
     def make_fn():
-        from torch._higher_order_ops.flex_attention import flex_attention_backward
-
+        flex_attention_backward = _compat.flex_attention_backward_hop()
         opts = dict(_kernel_options())  # a private copy per traced pass
         fw_graph, joint_graph = _score_graphs(q.device, q.dtype)
 

@@ -17,6 +17,12 @@ from collections.abc import Sequence
 import torch
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the log-sum-exp and of every softmax accumulation: float64 for float64 inputs,
+    else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class VarlenSpec:
     """Segment offsets (host ints) plus the mask of a packed varlen attention call."""
 

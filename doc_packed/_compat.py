@@ -1,0 +1,144 @@
+"""Every private torch name :mod:`doc_packed` uses, behind one door.
+
+torch does not promise these names across releases. Each is resolved here, on first use, and a
+missing one raises :class:`PrivateAPIError` naming it, the torch versions it was checked on and
+the installed one, instead of an ``AttributeError`` deep in a kernel. docs/private_apis.md lists
+them all (with :mod:`shardings._compat` and :mod:`shardings._ap_compat`). FlashAttention-4's
+private interface has its own door, :mod:`doc_packed.kernels.fa4`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHECKED_TORCH", "MIN_TORCH", "PrivateAPIError", "all_gather_into_tensor", "all_to_all_single",
+    "apply_kernel_options", "compile_fx", "create_fw_bw_graph", "flex_attention_backward_hop",
+    "flex_attention_hop", "op_argument_names", "resolve_process_group", "tensor_version",
+    "varlen_attn_ops",
+]
+
+MIN_TORCH = (2, 11)
+CHECKED_TORCH = ("2.11", "2.13")
+
+
+class PrivateAPIError(ImportError):
+    """A private torch (or AutoParallel) name we rely on is missing from the installed version."""
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+if _torch_version() < MIN_TORCH:
+    raise ImportError(
+        f"doc_packed needs torch >= {'.'.join(map(str, MIN_TORCH))} (checked on "
+        f"{', '.join(CHECKED_TORCH)}); this is torch {torch.__version__}"
+    )
+
+
+def private(module: str, name: str) -> Any:
+    """``module.name``, or :class:`PrivateAPIError` saying what is missing and where it was seen."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise PrivateAPIError(
+            f"doc_packed uses torch's private {module}.{name}, checked on torch "
+            f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err}). "
+            "See docs/private_apis.md."
+        ) from err
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
+    """The process group registered under ``group_name`` (what functional collectives take)."""
+    return private("torch.distributed.distributed_c10d", "_resolve_process_group")(group_name)
+
+
+def _c10d_functional(name: str):
+    try:
+        return getattr(torch.ops._c10d_functional, name)
+    except (AttributeError, RuntimeError) as err:
+        raise PrivateAPIError(
+            f"doc_packed uses torch.ops._c10d_functional.{name}, checked on torch "
+            f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err})"
+        ) from err
+
+
+def all_to_all_single(
+    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str
+) -> torch.Tensor:
+    """AllToAll-V along dim 0, waited (traceable: the functional collective ops)."""
+    out = _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
+    return _c10d_functional("wait_tensor")(out)
+
+
+def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """All-gather along dim 0, waited."""
+    out = _c10d_functional("all_gather_into_tensor")(x, group_size, group_name)
+    return _c10d_functional("wait_tensor")(out)
+
+
+# ----------------------------------------------------------------------------- tensors and ops
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter; None for inference tensors, which have none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def op_argument_names(op: torch._ops.OpOverload) -> set[str]:
+    """Names of an operator overload's schema arguments."""
+    return {a.name for a in op._schema.arguments}
+
+
+@functools.cache
+def varlen_attn_ops() -> tuple[Any, Any]:
+    """torch's flash varlen ``(forward, backward)`` overloads (torch >= 2.11)."""
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
+
+    try:
+        ns = torch.ops.torch_attn
+        return ns._varlen_attn.default, ns._varlen_attn_backward.default
+    except (AttributeError, RuntimeError) as err:
+        raise PrivateAPIError(
+            "doc_packed's flash backend uses torch.ops.torch_attn._varlen_attn(_backward), "
+            f"checked on torch {', '.join(CHECKED_TORCH)}; torch {torch.__version__} lacks it"
+        ) from err
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+def flex_attention_hop() -> Any:
+    """flex_attention's forward higher-order op (takes a BlockMask's ``as_tuple()`` form)."""
+    return private("torch._higher_order_ops.flex_attention", "flex_attention")
+
+
+def flex_attention_backward_hop() -> Any:
+    return private("torch._higher_order_ops.flex_attention", "flex_attention_backward")
+
+
+def create_fw_bw_graph() -> Any:
+    """The helper that traces flex's score/mask functions into joint forward-backward graphs."""
+    return private("torch._higher_order_ops.flex_attention", "create_fw_bw_graph")
+
+
+def apply_kernel_options() -> Any:
+    """flex_attention's defaulting of ``kernel_options`` (what the public call does first)."""
+    return private("torch.nn.attention.flex_attention", "_apply_kernel_options")
+
+
+def compile_fx() -> Any:
+    """Inductor's graph compiler (compiles one traced flex call, no dynamo)."""
+    return private("torch._inductor.compile_fx", "compile_fx")

@@ -1,0 +1,97 @@
+"""FLOPs of ``doc_packed`` attention, from real ``cu_seqlens`` when there are any.
+
+Counting convention (flash-attention's): the forward does two matmuls per visible
+(query, key) pair and head, ``4 * pairs * H_q * D`` FLOPs; the backward five (QK^T recompute,
+dV, dP, dQ, dK), 2.5x the forward.
+
+``pairs`` honours causality and windows. With real ``cu_seqlens`` it is exact (one host read
+per distinct tensor, cached). Under fake tensors -- AutoParallel's planning, ``torch.compile``
+tracing -- the values are unknown and every row is assumed to hold documents of the call's
+``planning_doc_len`` tokens (0: one document per row, the upper bound). A sequence-sharded call
+counts ``1/c`` of the row's work, which is what the balanced context-parallel plan gives each
+rank.
+
+Planning-only costs (the context-parallel exchange and the plan's imbalance) are added by the
+function :mod:`shardings.costs` installs with :func:`set_planning_cost`. It only acts on a
+sequence-shard call that has no group yet -- which only happens while a solver prices
+strategies -- so real runs count real FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._layout import cp_degree, get_layout
+from ._mask import doc_pairs
+
+# (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len) -> flops
+PlanningCost = Callable[..., int]
+_planning_cost: PlanningCost | None = None
+
+
+def set_planning_cost(fn: PlanningCost | None) -> None:
+    """Install the function that prices a sequence-sharded call while a solver plans
+    (:mod:`shardings.costs` does, once); None removes it."""
+    global _planning_cost
+    _planning_cost = fn
+
+
+def planned_doc_len(doc_len: int, seq_len: int) -> int:
+    """The document length a fake-tensor estimate assumes: ``doc_len`` tokens, capped at the
+    row; 0 means one document per row."""
+    return min(doc_len or seq_len, seq_len)
+
+
+def assumed_row_pairs(seq_len: int, causal: bool, left: int, right: int, doc_len: int = 0) -> int:
+    """Pairs in one row of ``seq_len`` tokens of documents of ``doc_len`` tokens (0: one)."""
+    L = planned_doc_len(doc_len, seq_len)
+    full, rem = divmod(seq_len, L)
+    return full * doc_pairs(L, causal, left, right) + doc_pairs(rem, causal, left, right)
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.device.type != "meta"
+
+
+def total_pairs(
+    cu_seqlens: torch.Tensor, seq_len: int, causal: bool, left: int, right: int, doc_len: int = 0
+) -> int:
+    """Pairs over all rows: exact with real values, else rows of ``doc_len``-token documents."""
+    if _has_values(cu_seqlens):
+        layout = get_layout(cu_seqlens, seq_len)
+        return layout.derived(
+            ("pairs", causal, left, right),
+            lambda: sum(doc_pairs(e - s, causal, left, right) for row in layout.rows for s, e in row),
+        )
+    return cu_seqlens.shape[0] * assumed_row_pairs(seq_len, causal, left, right, doc_len)
+
+
+def attention_flops(
+    q: torch.Tensor,
+    kv_heads: int,
+    cu_seqlens: torch.Tensor,
+    seq_len: int,
+    causal: bool,
+    left: int,
+    right: int,
+    cp_group: str | None,
+    backward: bool,
+    doc_len: int = 0,
+) -> int:
+    """FLOPs of one call (this rank's share when sequence-sharded)."""
+    B, S_local, Hq, D = q.shape
+    right = 0 if causal else right
+    pairs = total_pairs(cu_seqlens, seq_len, causal, left, right, doc_len)
+    flops = 4 * pairs * Hq * D
+    if backward:
+        flops = flops * 5 // 2
+    cp = cp_degree(S_local, seq_len)
+    if cp > 1:
+        flops = -(-flops // cp)
+        if cp_group is None and _planning_cost is not None:
+            flops = _planning_cost(
+                tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops, doc_len
+            )
+    return int(flops)

@@ -1,0 +1,80 @@
+"""Every private torch name :mod:`shardings` uses, behind one door (DTensor's internals).
+
+DTensor's strategy layer (``OpStrategy``/``OpSpec``/``register_op_strategy``) is the layer that
+``register_sharding`` wraps and that AutoParallel reads; torch keeps it private. A missing name
+raises :class:`doc_packed._compat.PrivateAPIError` naming it and the versions checked
+(docs/private_apis.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from doc_packed._compat import CHECKED_TORCH, PrivateAPIError, private
+
+__all__ = [
+    "DTensorSpec", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo", "TensorMeta",
+    "current_mesh", "generate_redistribute_costs", "install_custom_op_handler", "mesh_topology",
+    "op_dispatcher", "register_op_strategy", "tree_unflatten", "unset_fake_temporarily",
+]
+
+DTensorSpec = private("torch.distributed.tensor._dtensor_spec", "DTensorSpec")
+TensorMeta = private("torch.distributed.tensor._dtensor_spec", "TensorMeta")
+OpSchema = private("torch.distributed.tensor._op_schema", "OpSchema")
+OpSpec = private("torch.distributed.tensor._op_schema", "OpSpec")
+OpStrategy = private("torch.distributed.tensor._op_schema", "OpStrategy")
+RuntimeSchemaInfo = private("torch.distributed.tensor._op_schema", "RuntimeSchemaInfo")
+generate_redistribute_costs = private("torch.distributed.tensor._ops.utils", "generate_redistribute_costs")
+register_op_strategy = private("torch.distributed.tensor._ops.utils", "register_op_strategy")
+tree_unflatten = private("torch.utils._pytree", "tree_unflatten")
+
+# torch's context_parallel() swaps DTensor's handler dict for a copy while it is on and, when it
+# turns off, restores the dict this module held at its import
+_TORCH_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def op_dispatcher() -> Any:
+    """DTensor's dispatcher (sharding propagation, redistribution, wrapping)."""
+    try:
+        return DTensor._op_dispatcher
+    except AttributeError as err:
+        raise PrivateAPIError(
+            f"shardings uses DTensor._op_dispatcher, checked on torch {', '.join(CHECKED_TORCH)}; "
+            f"torch {torch.__version__} does not have it"
+        ) from err
+
+
+def install_custom_op_handler(op: Any, handler: Callable) -> None:
+    """Make DTensor call ``handler(op, args, kwargs)`` for ``op`` (idempotent).
+
+    Also written into the dict torch's context-parallel mode restores on exit, so an entry
+    installed while that mode is on is not lost when it turns off.
+    """
+    op_dispatcher()._custom_op_handlers[op] = handler
+    saved = getattr(sys.modules.get(_TORCH_CP_MODULE), "existing_custom_ops", None)
+    if isinstance(saved, dict):
+        saved[op] = handler
+
+
+def current_mesh() -> Any | None:
+    """The DeviceMesh of the innermost ``with mesh:`` (AutoParallel plans inside one), or None."""
+    resources = private("torch.distributed.device_mesh", "_mesh_resources")
+    try:
+        return resources.get_current_mesh()
+    except RuntimeError:  # no mesh entered
+        return None
+
+
+def mesh_topology(mesh: Any) -> Any:
+    """DTensor's per-mesh-dim link model (bandwidth, latency) for ``mesh``."""
+    return private("torch.distributed.tensor._collective_utils", "MeshTopoInfo").build_from_mesh(mesh)
+
+
+def unset_fake_temporarily() -> Any:
+    """Context manager: real tensors inside a fake-tensor mode (AutoParallel's context)."""
+    return private("torch._subclasses.fake_tensor", "unset_fake_temporarily")()

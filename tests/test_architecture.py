@@ -1,0 +1,128 @@
+"""The house rules docs/architecture.md states, checked on the source.
+
+- ``doc_packed`` never imports ``shardings`` (not at import time, not lazily in a function);
+  each package imports alone in a fresh interpreter, in either order.
+- Private names of torch, AutoParallel and FlashAttention are touched only in the compat
+  modules: no ``from torch._x import``/``import torch._x``, no ``from m import _name`` and no
+  ``obj._attr`` on anything but ``self``/``cls`` elsewhere in the two packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("doc_packed", "shardings")
+COMPAT = {"doc_packed/_compat.py", "shardings/_compat.py", "shardings/_ap_compat.py"}
+EXTERNAL = ("torch", "autoparallel", "flash_attn")
+# the end-to-end program (``python -m doc_packed.demo``) runs on both packages; no library module
+# imports it
+APPLICATIONS = {"doc_packed/demo.py"}
+
+
+def _sources(package: str) -> list[pathlib.Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _rel(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) of every import in a module of ``package``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, []) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolve against the package
+                module = ".".join([package] + ([module] if module else []))
+            out.append((node.lineno, module, [a.name for a in node.names]))
+    return out
+
+
+def test_doc_packed_never_imports_shardings():
+    found = []
+    for p in _sources("doc_packed"):
+        for line, module, names in _imports(ast.parse(p.read_text()), "doc_packed"):
+            to_shardings = module == "shardings" or module.startswith("shardings.")
+            to_app = module == "doc_packed.demo" or (module == "doc_packed" and "demo" in names)
+            if (to_shardings and _rel(p) not in APPLICATIONS) or to_app:
+                found.append(f"{_rel(p)}:{line} imports {module} {names}")
+    assert not found, "doc_packed must not import shardings:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "order", [("doc_packed",), ("shardings",), ("doc_packed", "shardings"), ("shardings", "doc_packed")]
+)
+def test_packages_import_alone_in_either_order(order):
+    code = (
+        "import importlib, sys\n"
+        f"for name in {order!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    if name == 'doc_packed' and 'shardings' not in " + repr(order[:1]) + ":\n"
+        "        assert 'shardings' not in sys.modules, 'importing doc_packed imported shardings'\n"
+        "import torch\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "handlers = DTensor._op_dispatcher._custom_op_handlers\n"
+        "print(torch.ops.doc_packed.attn_fwd.default in handlers)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str("shardings" in order)  # registered exactly when imported
+
+
+def _private_uses(path: pathlib.Path, package: str) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for line, module, names in _imports(tree, package):
+        parts = module.split(".")
+        if parts[0] not in EXTERNAL:
+            continue
+        bad = [p for p in parts if _private(p)] + [n for n in names if _private(n)]
+        if bad:
+            found.append(f"{_rel(path)}:{line} imports {module} {names}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append(f"{_rel(path)}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_private_names_only_in_compat_modules():
+    found = [
+        use
+        for package in PACKAGES
+        for p in _sources(package)
+        if _rel(p) not in COMPAT
+        for use in _private_uses(p, package)
+    ]
+    assert not found, "private names outside the compat modules:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_private_uses(tmp_path):
+    """The scan itself catches each form (a scan that finds nothing proves nothing)."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import torch._dynamo\n"
+        "from torch.distributed.tensor._op_schema import OpSpec\n"
+        "from torch.nn.attention.flex_attention import _apply_kernel_options\n"
+        "from autoparallel.x import _y\n"
+        "x = torch.ops._c10d_functional\n"
+        "y = obj._private_method()\n"
+        "z = self._fine\n"
+        "from torch.distributed.tensor import DTensor\n"
+    )
+    uses = _private_uses(src, "doc_packed")
+    assert len(uses) == 6, uses
