@@ -81,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-from doc_packed._layout import DocLayout
+from doc_packed._doc_layout import DocLayout
 from doc_packed._mask import prefix_pairs
 from doc_packed.cp.plan import build_plan, owner_ranges
 

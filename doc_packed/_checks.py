@@ -1,7 +1,7 @@
 """Argument validation for the public API: every rule raises before any kernel runs.
 
 Shape, dtype, device and layout rules look at metadata only, so they are free under
-``torch.compile``. Rules on the *values* of ``cu_seqlens`` live in :mod:`doc_packed._layout`,
+``torch.compile``. Rules on the *values* of ``cu_seqlens`` live in :mod:`doc_packed._doc_layout`,
 which checks each distinct tensor once and caches the result (one host read per tensor, not
 per call).
 """

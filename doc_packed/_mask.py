@@ -15,7 +15,7 @@ flop formulas) uses these functions, so they all agree on what "one (query, key)
 
 from __future__ import annotations
 
-__all__ = ["key_bounds", "prefix_pairs", "doc_pairs", "pairs_for_lengths"]
+__all__ = ["key_bounds", "prefix_pairs", "doc_pairs"]
 
 
 def _ramp(n: int, a: int) -> int:
@@ -54,7 +54,3 @@ def doc_pairs(length: int, causal: bool, left: int, right: int) -> int:
     """Number of (query, key) pairs inside one document."""
     return prefix_pairs(length, length, causal, left, right)
 
-
-def pairs_for_lengths(lengths, causal: bool, left: int, right: int) -> int:
-    """Total pairs over an iterable of document lengths."""
-    return sum(doc_pairs(int(n), causal, left, right) for n in lengths if n > 0)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import Transformer
+from doc_packed.examples import Attention, Transformer
 from doc_packed.layout import lognormal_lengths
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
@@ -114,8 +114,9 @@ def _manual_cp_model(args, init):
     """Without AutoParallel: replicated weights, sequence-sharded activations, CP attention."""
     model = Transformer(**MODEL).double()
     model.load_state_dict(init)
-    for block in model.layers:
-        block.attn.cp_group = dist.group.WORLD
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.cp_group = dist.group.WORLD
     if args.eager:
         return model, "cp: sequence (manual placement)", "eager: asked for"
     return torch.compile(model, fullgraph=True), "cp: sequence (manual placement)", "inductor: torch.compile"

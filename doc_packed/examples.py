@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import doc_packed as dp
@@ -15,7 +16,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.window = window
-        self.cp_group = None  # set to a process group to run on sequence shards
+        self.cp_group: dist.ProcessGroup | str | None = None  # a group: run on sequence shards
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -27,6 +28,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
         o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window, cp_group=self.cp_group)
+        assert isinstance(o, torch.Tensor)  # return_lse=False
         return self.wo(o.reshape(B, S, -1))
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._layout import cp_degree, get_layout
+from ._doc_layout import cp_degree, get_layout
 from ._mask import doc_pairs
 
 # (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len) -> flops

@@ -16,7 +16,7 @@ sequence-parallel degree from local shapes alone.
 to assume when ``cu_seqlens`` has no values; 0: one document per row). It travels with the call,
 so a traced graph and AutoParallel's cost cache carry it (:func:`doc_packed.planning`).
 
-Autograd saves ``(q, k, v, out, lse)`` and calls ``attn_bwd``: the forward is never recomputed.
+Autograd saves ``(q, k, v, cu_seqlens, out, lse)`` and calls ``attn_bwd``: the forward is never recomputed.
 A gradient flowing into ``lse`` (when the caller uses it) is handled by composing the two ops.
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from . import flops, kernels
-from ._layout import DocLayout, cp_degree, get_layout
+from ._doc_layout import DocLayout, cp_degree, get_layout
 from .kernels import lse_dtype
 
 __all__ = ["BWD_ARGS", "FWD_ARGS", "arg_index", "attn_bwd", "attn_fwd", "cp_degree", "lse_dtype"]

@@ -92,6 +92,12 @@ def _on_cpu(module: torch.nn.Module) -> bool:
     return True
 
 
+def _compiled(module: object) -> torch.nn.Module:
+    """``torch.compile`` of a module is a module (an ``OptimizedModule``); its stubs say callable."""
+    assert isinstance(module, torch.nn.Module)
+    return module
+
+
 def compile_placed(
     module: torch.nn.Module,
     backend: str = "auto",
@@ -125,7 +131,7 @@ def compile_placed(
         raise RuntimeError(f"backend='autoparallel' cannot run: {blocker}; use 'inductor'")
     if backend == "inductor" or blocker is not None:
         reason = "asked for" if backend == "inductor" else f"fallback: {blocker}"
-        return torch.compile(module, fullgraph=fullgraph), CompileChoice("inductor", reason)
+        return _compiled(torch.compile(module, fullgraph=fullgraph)), CompileChoice("inductor", reason)
     from autoparallel.compile import autoparallel_backend
 
     cpu = _on_cpu(module)
@@ -140,4 +146,4 @@ def compile_placed(
     reason = "asked for" if backend == "autoparallel" else "AutoParallel's backend runs on this torch"
     if cpu and not overlap_scheduling:
         reason += "; overlap scheduling off on CPU (it needs Triton)"
-    return compiled, CompileChoice("autoparallel", reason, options)
+    return _compiled(compiled), CompileChoice("autoparallel", reason, options)

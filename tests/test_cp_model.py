@@ -14,7 +14,7 @@ import pytest
 
 from bench import cp_model
 from bench.cp_model import Model
-from doc_packed._layout import DocLayout
+from doc_packed._doc_layout import DocLayout
 from doc_packed.cp.plan import build_plan
 
 

@@ -22,7 +22,8 @@ from oracle import reference
 
 import doc_packed as dp
 from doc_packed import env, kernels
-from doc_packed.kernels import blockwise, fa4, flash, flex
+from doc_packed.kernels import fa4, flash, flex
+from doc_packed.kernels import math as math_kernel
 from doc_packed.kernels.spec import VarlenSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +170,7 @@ def _oracle_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
               max_seqlen_k=max_seqlen_k, causal=causal, window_size_left=window_size_left,
               window_size_right=window_size_right)
     CALLS.append(dict(kw, pass_="fwd", q=q, k=k, return_lse=return_lse, rest=rest))
-    out, lse = blockwise.forward(_spec_from_fa4_args(kw), q, k, v, softmax_scale)
+    out, lse = math_kernel.forward(_spec_from_fa4_args(kw), q, k, v, softmax_scale)
     return out, lse, None, None, None
 
 
@@ -181,7 +182,7 @@ def _oracle_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softc
               max_seqlen_k=max_seqlen_k, causal=causal, window_size_left=window_size_left,
               window_size_right=window_size_right)
     CALLS.append(dict(kw, pass_="bwd", q=q, lse=lse, rest=rest))
-    return blockwise.backward(_spec_from_fa4_args(kw), dout, q, k, v, out, lse, softmax_scale)
+    return math_kernel.backward(_spec_from_fa4_args(kw), dout, q, k, v, out, lse, softmax_scale)
 
 
 @pytest.fixture

@@ -166,7 +166,7 @@ def test_flex_context_parallel_shape_empty_rows_and_mixed_passes():
 def test_backend_no_sync_after_first_call(backend):
     from doc_packed import kernels
     from doc_packed.ops import local_spec
-    from doc_packed._layout import get_layout
+    from doc_packed._doc_layout import get_layout
 
     S = 4096
     cu = dp.cu_seqlens_from_lengths([[1000, 0, 3000, 96]], S, max_docs=8).cuda()

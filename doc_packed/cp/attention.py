@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._layout import get_layout
+from .._doc_layout import get_layout
 from . import comm
 from .exchange import RankExchange, assemble, assemble_or_zeros, build_exchange
 from .plan import build_plan, owner_range
@@ -66,6 +66,7 @@ def get_exchange(
         None if layout is None else layout.rows, seq_len, size, causal, left, right, Hq, Hkv, D,
         str(q.dtype), local_error=error,
     )
+    assert layout is not None  # check_agreement raised every rank's error otherwise
     query_cost = Hq / Hkv
     plan = layout.derived(
         ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),

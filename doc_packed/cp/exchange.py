@@ -88,7 +88,7 @@ def _runs(pairs, split: int) -> tuple[Run, ...]:
             out[-1][2] += n
         else:
             out.append([src, a, n])
-    return tuple(tuple(r) for r in out)
+    return tuple((src, a, n) for src, a, n in out)
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
                     kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
     remote: dict[int, list[tuple[int, int, int]]] = {}  # row -> sorted (s, e, recv offset)
-    recv_runs = [[] for _ in range(c)]
+    recv_runs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(c)]  # (row, s, e, offset)
     for b, s0, e0 in plan.kv_ranges[rank]:
         for o, s, e in _parts(b, s0, e0, owners, cs):
             if o != rank:

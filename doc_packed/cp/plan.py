@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_window
-from .._layout import DocLayout, get_layout, validate_bounds
+from .._doc_layout import DocLayout, get_layout, validate_bounds
 from .._mask import key_bounds, prefix_pairs
 
 __all__ = ["ContextParallelPlan", "plan_context_parallel", "build_plan", "owner_ranges"]
@@ -233,7 +233,7 @@ class _Planner:
         heapq.heapify(heap)
 
         def top_receivers() -> list[int]:
-            out = []
+            out: list[int] = []
             while heap and len(out) < _TOP_RECEIVERS:
                 neg, r = heapq.heappop(heap)
                 if -neg == mean - self.load[r] and r not in out:
@@ -358,7 +358,7 @@ def _union(ranges) -> list[tuple[int, int, int]]:
             out[-1][2] = max(out[-1][2], e)
         else:
             out.append([b, s, e])
-    return [tuple(x) for x in out]
+    return [(b, s, e) for b, s, e in out]
 
 
 def build_plan(

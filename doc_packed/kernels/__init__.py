@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import blockwise, fa4, flash, flex
+from . import fa4, flash, flex, math
 from .spec import VarlenSpec, lse_dtype
 
 __all__ = [
@@ -55,7 +55,7 @@ TABLE: tuple[Backend, ...] = (
         False, (flex.CompileError,),
     ),
     Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, ()),
-    Backend("math", blockwise, lambda q, spec, kv: None, True, ()),
+    Backend("math", math, lambda q, spec, kv: None, True, ()),
 )
 BACKENDS = ("auto", *(b.name for b in TABLE))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, cast
 
 import torch
 
@@ -158,7 +159,8 @@ def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
         partial, full = partial[:, None], full[:, None]  # one mask for every head
         _, Lq, Lk = problem_rows(spec)
         bm = BlockMask.from_kv_blocks(
-            *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK, mask_mod=_mask_mod,
+            *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK,
+            mask_mod=cast(Any, _mask_mod),  # (b, h, q, kv) plus our two buffers: flex passes them
             seq_lengths=(Lq, Lk), compute_q_blocks=False,
         )
         # the backward's column view, from our dense tables (torch's own transpose uses vmap,
@@ -175,7 +177,7 @@ def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
 
 @functools.cache
 def _kernel_options() -> dict:
-    opts = {"BACKEND": "TRITON"}
+    opts: dict[str, object] = {"BACKEND": "TRITON"}
     try:
         dummy = torch.empty(0)
         opts = _compat.apply_kernel_options()(dummy, dummy, dummy, True, opts)

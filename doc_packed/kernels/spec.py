@@ -65,10 +65,6 @@ class VarlenSpec:
         self.row_len = row_len
         self._cache: dict = {}
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.cu_q) - 1
-
     def cached(self, key, factory):
         try:
             return self._cache[key]

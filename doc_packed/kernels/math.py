@@ -1,4 +1,4 @@
-"""Exact attention in plain torch, tiled so memory stays bounded: the CPU path.
+"""The ``math`` backend: exact attention in plain torch, tiled so memory stays bounded (the CPU path).
 
 Queries are processed in blocks of ``BLOCK_Q`` packed rows; each block visits only the key
 range its rows can see, in tiles of at most ``BLOCK_K`` keys, with an online softmax (the

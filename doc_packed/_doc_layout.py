@@ -27,16 +27,14 @@ _CACHE_SIZE = 32
 class DocLayout:
     """Validated document boundaries of a ``[B, MAX_DOCS + 1]`` ``cu_seqlens``."""
 
-    __slots__ = ("seq_len", "rows", "max_docs", "max_len", "_derived")
+    __slots__ = ("seq_len", "rows", "_derived")
 
     def __init__(self, bounds: list[list[int]], seq_len: int):
         self.seq_len = seq_len
-        self.max_docs = len(bounds[0]) - 1
         # per row, the (start, end) of each non-empty document
         self.rows: tuple[tuple[tuple[int, int], ...], ...] = tuple(
             tuple((s, e) for s, e in zip(row[:-1], row[1:]) if e > s) for row in bounds
         )
-        self.max_len = max((e - s for row in self.rows for s, e in row), default=0)
         self._derived: dict[Any, Any] = {}
 
     @property
