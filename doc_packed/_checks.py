@@ -30,9 +30,7 @@ def check_window(causal: bool, window_size: object) -> tuple[int, int]:
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = int(window_size[0]), int(window_size[1])
     if left < -1 or right < -1:
-        raise ValueError(
-            f"window_size={tuple(window_size)}: each side must be >= 0, or -1 for unbounded"
-        )
+        raise ValueError(f"window_size={tuple(window_size)}: each side must be >= 0, or -1 for unbounded")
     if causal and right > 0:
         raise ValueError(
             f"window_size={tuple(window_size)} has a right window {right} > 0 but causal=True; "
@@ -41,9 +39,7 @@ def check_window(causal: bool, window_size: object) -> tuple[int, int]:
     return left, (0 if causal else right)
 
 
-def check_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
-) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """Ranks, shapes, dtypes, devices and memory layout of the four tensors."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, t)
@@ -52,18 +48,14 @@ def check_qkv(
             raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
     B, S, Hq, D = q.shape
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must share q's [B, S] = {(B, S)}"
-        )
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share q's [B, S] = {(B, S)}")
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if k.shape[3] != D:
         raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {D}")
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(
-            f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)"
-        )
+        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
     if B == 0 or S == 0 or D == 0:
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -89,9 +81,7 @@ def check_qkv(
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
-        raise ValueError(
-            f"cu_seqlens must be [B, MAX_DOCS + 1] with MAX_DOCS >= 1, got {tuple(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1] with MAX_DOCS >= 1, got {tuple(cu_seqlens.shape)}")
     if cu_seqlens.shape[0] != B:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
 

@@ -16,9 +16,19 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CHECKED_TORCH", "MIN_TORCH", "PrivateAPIError", "all_gather_into_tensor", "all_to_all_single",
-    "apply_kernel_options", "compile_fx", "create_fw_bw_graph", "flex_attention_backward_hop",
-    "flex_attention_hop", "op_argument_names", "resolve_process_group", "tensor_version",
+    "CHECKED_TORCH",
+    "MIN_TORCH",
+    "PrivateAPIError",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "apply_kernel_options",
+    "compile_fx",
+    "create_fw_bw_graph",
+    "flex_attention_backward_hop",
+    "flex_attention_hop",
+    "op_argument_names",
+    "resolve_process_group",
+    "tensor_version",
     "varlen_attn_ops",
 ]
 
@@ -72,9 +82,7 @@ def _c10d_functional(name: str):
         ) from err
 
 
-def all_to_all_single(
-    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str
-) -> torch.Tensor:
+def all_to_all_single(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str) -> torch.Tensor:
     """AllToAll-V along dim 0, waited (traceable: the functional collective ops)."""
     out = _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
     return _c10d_functional("wait_tensor")(out)

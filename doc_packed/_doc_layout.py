@@ -68,17 +68,13 @@ def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
         for j in range(1, len(row)):
             if row[j] < row[j - 1]:
                 raise ValueError(
-                    f"cu_seqlens[{b}] must be non-decreasing, but entry {j} ({row[j]}) < "
-                    f"entry {j - 1} ({row[j - 1]})"
+                    f"cu_seqlens[{b}] must be non-decreasing, but entry {j} ({row[j]}) < entry {j - 1} ({row[j - 1]})"
                 )
             if row[j] > seq_len:
-                raise ValueError(
-                    f"cu_seqlens[{b}] entry {j} is {row[j]}, past the sequence length {seq_len}"
-                )
+                raise ValueError(f"cu_seqlens[{b}] entry {j} is {row[j]}, past the sequence length {seq_len}")
         if row[-1] != seq_len:
             raise ValueError(
-                f"cu_seqlens[{b}] must end at the sequence length {seq_len} (unused slots repeat "
-                f"it), got {row[-1]}"
+                f"cu_seqlens[{b}] must end at the sequence length {seq_len} (unused slots repeat it), got {row[-1]}"
             )
 
 
@@ -104,4 +100,3 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return layout
-

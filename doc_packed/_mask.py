@@ -53,4 +53,3 @@ def prefix_pairs(n: int, length: int, causal: bool, left: int, right: int) -> in
 def doc_pairs(length: int, causal: bool, left: int, right: int) -> int:
     """Number of (query, key) pairs inside one document."""
     return prefix_pairs(length, length, causal, left, right)
-

@@ -67,9 +67,7 @@ def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
             "`import shardings` once (it registers them with DTensor)"
         )
     if isinstance(q, DTensor) and not isinstance(cu_seqlens, DTensor):
-        return DTensor.from_local(
-            cu_seqlens, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False
-        )
+        return DTensor.from_local(cu_seqlens, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False)
     return cu_seqlens
 
 

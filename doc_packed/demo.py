@@ -143,8 +143,10 @@ def rank_main(rank: int, world: int, port: int, args):
         elif installed:
             say("[2/4] --no-autoparallel: sharding the sequence manually")
         else:
-            say("[2/4] AutoParallel is not installed (it is not on PyPI: install it from "
-                "github.com/meta-pytorch/autoparallel); sharding the sequence manually")
+            say(
+                "[2/4] AutoParallel is not installed (it is not on PyPI: install it from "
+                "github.com/meta-pytorch/autoparallel); sharding the sequence manually"
+            )
         t1 = time.perf_counter()
         if use_ap:
             model, layout, compiled_with = _autoparallel_model(args, mesh, batches, init)
@@ -169,13 +171,16 @@ def rank_main(rank: int, world: int, port: int, args):
             say(f"[3/4] step {step + 1}/{args.steps}: loss {losses[-1]:.6f} (one process: {ref_losses[step]:.6f})")
         t_train = time.perf_counter() - t2
         module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes the names
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()) for n, p in module.named_parameters()}
+        params = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()) for n, p in module.named_parameters()
+        }
         param_err = max((params[n] - ref_final[n]).abs().max().item() for n in params)
         if rank == 0:
             plans = [dp.plan_context_parallel(cu, world) for _, _, cu in batches]
             n_docs = int((batches[0][2].diff(dim=1) > 0).sum())
-            report(args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan,
-                   t_train)
+            report(
+                args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

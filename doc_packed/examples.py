@@ -80,8 +80,7 @@ def training_flops(model: nn.Module, cu_seqlens: torch.Tensor, seq_len: int) -> 
 
 
 def random_attention_problem(
-    lengths: list[int], seq_len: int, heads: tuple[int, int], head_dim: int,
-    dtype: torch.dtype, device, seed: int,
+    lengths: list[int], seq_len: int, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, device, seed: int
 ) -> tuple[torch.Tensor, ...]:
     """``(q, k, v, dout, cu_seqlens)`` for one packed row of ``lengths``: the benchmarks' input
     (standard normal, ``heads = (H_q, H_kv)``, MAX_DOCS = len(lengths) + 8)."""

@@ -55,9 +55,7 @@ def _has_values(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type != "meta"
 
 
-def total_pairs(
-    cu_seqlens: torch.Tensor, seq_len: int, causal: bool, left: int, right: int, doc_len: int = 0
-) -> int:
+def total_pairs(cu_seqlens: torch.Tensor, seq_len: int, causal: bool, left: int, right: int, doc_len: int = 0) -> int:
     """Pairs over all rows: exact with real values, else rows of ``doc_len``-token documents."""
     if _has_values(cu_seqlens):
         layout = get_layout(cu_seqlens, seq_len)

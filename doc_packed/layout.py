@@ -104,9 +104,7 @@ def pack_documents(
     out = torch.full((len(rows), seq_len, *tail), pad_value, dtype=pieces[0].dtype)
     for r, row in enumerate(rows):
         out[r, : seq_len - room[r]] = torch.cat(row, 0)
-    cu = cu_seqlens_from_lengths(
-        [[p.shape[0] for p in row] for row in rows], seq_len, max_docs=max_docs
-    )
+    cu = cu_seqlens_from_lengths([[p.shape[0] for p in row] for row in rows], seq_len, max_docs=max_docs)
     return out, cu
 
 

@@ -32,7 +32,14 @@ from .kernels import lse_dtype
 __all__ = ["BWD_ARGS", "FWD_ARGS", "arg_index", "attn_bwd", "attn_fwd", "cp_degree", "lse_dtype"]
 
 _SHARED_ARGS = (
-    "cu_seqlens", "seq_len", "causal", "window_left", "window_right", "scale", "backend", "cp_group",
+    "cu_seqlens",
+    "seq_len",
+    "causal",
+    "window_left",
+    "window_right",
+    "scale",
+    "backend",
+    "cp_group",
     "planning_doc_len",
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *_SHARED_ARGS)
@@ -56,9 +63,7 @@ def local_spec(layout: DocLayout, causal: bool, left: int, right: int) -> kernel
 
 def _local_problem(cu_seqlens, seq_len, causal, left, right) -> kernels.VarlenSpec:
     layout = get_layout(cu_seqlens, seq_len)
-    return layout.derived(
-        ("local_spec", causal, left, right), lambda: local_spec(layout, causal, left, right)
-    )
+    return layout.derived(("local_spec", causal, left, right), lambda: local_spec(layout, causal, left, right))
 
 
 def _check_local(q: torch.Tensor, seq_len: int) -> None:
@@ -94,8 +99,7 @@ def attn_fwd(
         from .cp import attention as cp_attention
 
         return cp_attention.forward(
-            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend,
-            cp_group,
+            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
     _check_local(q, seq_len)
     B, S, Hq, D = q.shape
@@ -132,16 +136,14 @@ def attn_bwd(
         from .cp import attention as cp_attention
 
         return cp_attention.backward(
-            dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right,
-            scale, backend, cp_group,
+            dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
     _check_local(q, seq_len)
     B, S, Hq, D = q.shape
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
     lse_flat = lse.transpose(0, 1).reshape(Hq, B * S)
     dq, dk, dv = kernels.backward(
-        spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()),
-        lse_flat, scale, backend,
+        spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()), lse_flat, scale, backend
     )
     return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
 
@@ -152,6 +154,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backe
 
 
 # ----------------------------------------------------------------------------- autograd
+
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, *rest = inputs
@@ -192,8 +195,16 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _flop_count(names: tuple[str, ...], args: tuple, kwargs: dict, backward: bool) -> int:
     a = dict(zip(names, args), **kwargs)
     return flops.attention_flops(
-        a["q"], a["k"].shape[2], a["cu_seqlens"], a["seq_len"], a["causal"], a["window_left"],
-        a["window_right"], a["cp_group"], backward=backward, doc_len=a.get("planning_doc_len", 0),
+        a["q"],
+        a["k"].shape[2],
+        a["cu_seqlens"],
+        a["seq_len"],
+        a["causal"],
+        a["window_left"],
+        a["window_right"],
+        a["cp_group"],
+        backward=backward,
+        doc_len=a.get("planning_doc_len", 0),
     )
 
 

@@ -18,9 +18,20 @@ from torch.distributed.tensor import DTensor
 from doc_packed._compat import CHECKED_TORCH, PrivateAPIError, private
 
 __all__ = [
-    "DTensorSpec", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo", "TensorMeta",
-    "current_mesh", "generate_redistribute_costs", "install_custom_op_handler", "mesh_topology",
-    "op_dispatcher", "register_op_strategy", "tree_unflatten", "unset_fake_temporarily",
+    "DTensorSpec",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "RuntimeSchemaInfo",
+    "TensorMeta",
+    "current_mesh",
+    "generate_redistribute_costs",
+    "install_custom_op_handler",
+    "mesh_topology",
+    "op_dispatcher",
+    "register_op_strategy",
+    "tree_unflatten",
+    "unset_fake_temporarily",
 ]
 
 DTensorSpec = private("torch.distributed.tensor._dtensor_spec", "DTensorSpec")

@@ -162,6 +162,7 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
             causal, left, right = (_arg(node, n) for n in ("causal", "window_left", "window_right"))
             if cu_seqlens is not None:
                 import doc_packed
+
                 with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
                     plan = doc_packed.plan_context_parallel(
                         cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
@@ -171,9 +172,7 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
                 doc_len = flops.planned_doc_len(_arg(node, "planning_doc_len"), S)
                 plan = representative_plan(S, doc_len, cp, causal, left, right, Hq / Hkv)
                 rows_per_plan = rows
-            nbytes = sum(
-                exchange_bytes(plan, rows_per_plan, Hq, Hkv, D, q_meta.dtype.itemsize, role == "backward")
-            )
+            nbytes = sum(exchange_bytes(plan, rows_per_plan, Hq, Hkv, D, q_meta.dtype.itemsize, role == "backward"))
             cp_info = dict(
                 cp=cp,
                 imbalance=plan.imbalance,

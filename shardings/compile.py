@@ -123,9 +123,7 @@ def compile_placed(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "eager":
-        return module, CompileChoice(
-            "eager", "asked for: AutoParallel's FX-interpreter runner, slow, for debugging"
-        )
+        return module, CompileChoice("eager", "asked for: AutoParallel's FX-interpreter runner, slow, for debugging")
     blocker = autoparallel_backend_blocker()
     if backend == "autoparallel" and blocker is not None:
         raise RuntimeError(f"backend='autoparallel' cannot run: {blocker}; use 'inductor'")

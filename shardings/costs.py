@@ -56,8 +56,7 @@ def representative_bounds(seq_len: int, doc_len: int) -> list[int]:
 def representative_plan(seq_len: int, doc_len: int, cp: int, causal: bool, left: int, right: int, query_cost: float):
     """Our planner on one representative row (:func:`representative_bounds`)."""
     return plan_context_parallel(
-        [representative_bounds(seq_len, doc_len)], cp, causal=causal, window_size=(left, right),
-        query_cost=query_cost,
+        [representative_bounds(seq_len, doc_len)], cp, causal=causal, window_size=(left, right), query_cost=query_cost
     )
 
 
@@ -73,8 +72,10 @@ def exchange_bytes(
     kv = max(plan.kv_recv_tokens) * rows * 2 * kv_heads * head_dim * itemsize
     qm = max(plan.q_moved_tokens) * rows
     q_row, lse_row = q_heads * head_dim * itemsize, q_heads * 4
-    q_side = [] if sum(plan.q_moved_tokens) == 0 else (
-        [3 * qm * q_row, qm * lse_row, qm * q_row] if backward else [qm * q_row, qm * q_row, qm * lse_row]
+    q_side = (
+        []
+        if sum(plan.q_moved_tokens) == 0
+        else ([3 * qm * q_row, qm * lse_row, qm * q_row] if backward else [qm * q_row, qm * q_row, qm * lse_row])
     )
     kv_side = [] if sum(plan.kv_recv_tokens) == 0 else ([kv, kv] if backward else [kv])
     return kv_side + q_side
@@ -89,10 +90,7 @@ def _exchange_us(mesh, cp: int, nbytes: list[int]) -> float | None:
     topology = mesh_topology(mesh)
     # the all-gather model takes the gathered size; per rank it moves (n-1)/n of it
     return max(
-        sum(
-            collective_cost_us("allgather", int(b * cp / max(cp - 1, 1)), mesh.shape, d, topology)
-            for b in nbytes
-        )
+        sum(collective_cost_us("allgather", int(b * cp / max(cp - 1, 1)), mesh.shape, d, topology) for b in nbytes)
         for d in dims
     )
 

@@ -15,6 +15,7 @@ from doc_packed.ops import arg_index
 
 from ._compat import install_custom_op_handler, op_dispatcher, tree_unflatten
 
+
 def _handler(op_call, args, kwargs):
     dispatcher = op_dispatcher()
     info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
@@ -26,11 +27,7 @@ def _handler(op_call, args, kwargs):
             info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
         )
         schema = sharding.redistribute_schema
-    local = list(
-        tree_unflatten(list(info.local_args), info.args_tree_spec)
-        if info.args_tree_spec
-        else info.local_args
-    )
+    local = list(tree_unflatten(list(info.local_args), info.args_tree_spec) if info.args_tree_spec else info.local_args)
     q_spec = schema.args_schema[arg_index(op_call, "q")]
     seq_dims = [d for d, p in enumerate(q_spec.placements) if p == Shard(1)]
     if seq_dims:

@@ -107,21 +107,14 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
     if table is FWD:
         out_metas = [_meta(q_meta.shape, q_meta.dtype), _meta((B, Hq, S), lse_dtype(q_meta.dtype))]
     else:
-        out_metas = [
-            _meta(inputs[i].strategies[0].output_spec.tensor_meta.shape, q_meta.dtype)
-            for i in (1, 2, 3)
-        ]
+        out_metas = [_meta(inputs[i].strategies[0].output_spec.tensor_meta.shape, q_meta.dtype) for i in (1, 2, 3)]
     in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
     specs = []
     for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv):
         outs = [
-            DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m)
-            for i, m in enumerate(out_metas)
+            DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(out_metas)
         ]
-        ins = [
-            DTensorSpec(mesh, tuple(table[kd][1][i] for kd in kinds), tensor_meta=m)
-            for i, m in enumerate(in_metas)
-        ]
+        ins = [DTensorSpec(mesh, tuple(table[kd][1][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(in_metas)]
         costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
         specs.append(OpSpec(output_specs=tuple(outs), input_specs=ins, redistribute_cost=costs))
     return OpStrategy(specs)

@@ -29,8 +29,14 @@ TOLERANCE = 0.01
 
 
 def get_exchange(
-    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int, causal: bool,
-    left: int, right: int, group_name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_len: int,
+    causal: bool,
+    left: int,
+    right: int,
+    group_name: str,
 ) -> RankExchange:
     """This rank's exchange for the layout, built and cross-checked once per layout.
 
@@ -62,17 +68,26 @@ def get_exchange(
                 raise error
             return cached
     comm.check_agreement(
-        group_name, q.device, "the context-parallel plan's inputs",
-        None if layout is None else layout.rows, seq_len, size, causal, left, right, Hq, Hkv, D,
-        str(q.dtype), local_error=error,
+        group_name,
+        q.device,
+        "the context-parallel plan's inputs",
+        None if layout is None else layout.rows,
+        seq_len,
+        size,
+        causal,
+        left,
+        right,
+        Hq,
+        Hkv,
+        D,
+        str(q.dtype),
+        local_error=error,
     )
     assert layout is not None  # check_agreement raised every rank's error otherwise
     query_cost = Hq / Hkv
     plan = layout.derived(
         ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
-        lambda: build_plan(
-            layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE
-        ),
+        lambda: build_plan(layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE),
     )
     return layout.derived(key, lambda: build_exchange(plan, rank, q.device))
 
@@ -92,9 +107,7 @@ def _return_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch
     """This rank's rows from kernel rows: rows computed for other owners travel back first."""
     back = rows[:0]
     if ex.q_traffic:
-        back = comm.all_to_all(
-            rows.index_select(0, ex.return_index), ex.q_recv_splits, ex.q_send_splits, group_name
-        )
+        back = comm.all_to_all(rows.index_select(0, ex.return_index), ex.q_recv_splits, ex.q_send_splits, group_name)
     return assemble(ex.out_runs, rows, back)
 
 
@@ -102,9 +115,7 @@ def _kv_buffers(ex: RankExchange, kf: torch.Tensor, vf: torch.Tensor, group_name
     D = kf.shape[-1]
     got = kf.new_empty((0, kf.shape[1], 2 * D))
     if ex.kv_traffic:
-        send = torch.cat(
-            [kf.index_select(0, ex.kv_send_index), vf.index_select(0, ex.kv_send_index)], -1
-        )
+        send = torch.cat([kf.index_select(0, ex.kv_send_index), vf.index_select(0, ex.kv_send_index)], -1)
         got = comm.all_to_all(send, ex.kv_send_splits, ex.kv_recv_splits, group_name)
     return assemble(ex.k_runs, kf, got[..., :D]), assemble(ex.k_runs, vf, got[..., D:])
 
@@ -133,8 +144,7 @@ def _reduce_kv_grads(ex: RankExchange, dk_buf, dv_buf, T: int, group_name: str):
     dkv[..., D:].index_add_(0, ex.k_index, dv_buf.to(acc))
     if ex.kv_traffic:
         comm.group_reduce(
-            dkv[:T], dkv[T:].to(dk_buf.dtype), ex.kv_send_index, ex.kv_send_splits,
-            ex.kv_recv_splits, group_name,
+            dkv[:T], dkv[T:].to(dk_buf.dtype), ex.kv_send_index, ex.kv_send_splits, ex.kv_recv_splits, group_name
         )
     dkv = dkv[:T].to(dk_buf.dtype)
     return dkv[..., :D].contiguous(), dkv[..., D:].contiguous()
@@ -149,8 +159,7 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
     outs, lses = [], []
     for call in ex.calls:
         o, l = kernels.forward(
-            call.spec, q_buf[call.q0 : call.q1], k_buf[call.k0 : call.k1],
-            v_buf[call.k0 : call.k1], scale, backend,
+            call.spec, q_buf[call.q0 : call.q1], k_buf[call.k0 : call.k1], v_buf[call.k0 : call.k1], scale, backend
         )
         outs.append(o)
         lses.append(l.t())
@@ -183,8 +192,15 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     for call in ex.calls:
         qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
         dq, dk, dv = kernels.backward(
-            call.spec, do_buf[qs].contiguous(), q_buf[qs].contiguous(), k_buf[ks], v_buf[ks],
-            o_buf[qs].contiguous(), lse_buf[qs].t().contiguous(), scale, backend,
+            call.spec,
+            do_buf[qs].contiguous(),
+            q_buf[qs].contiguous(),
+            k_buf[ks],
+            v_buf[ks],
+            o_buf[qs].contiguous(),
+            lse_buf[qs].t().contiguous(),
+            scale,
+            backend,
         )
         dqs.append(dq)
         dks.append(dk)

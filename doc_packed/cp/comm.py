@@ -27,24 +27,25 @@ def group_info(group_name: str) -> tuple[int, int]:
     return dist.get_rank(pg), dist.get_world_size(pg)
 
 
-def all_to_all(
-    x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str) -> torch.Tensor:
     """AllToAll-V along dim 0: ``x`` holds ``send_splits[p]`` rows for peer ``p`` in order."""
     return _compat.all_to_all_single(x.contiguous(), recv_splits, send_splits, group_name)
 
 
 def group_cast(
-    src: torch.Tensor, send_index: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-    group_name: str,
+    src: torch.Tensor, send_index: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str
 ) -> torch.Tensor:
     """Send ``src[send_index]`` (grouped by destination) and return what peers sent here."""
     return all_to_all(src.index_select(0, send_index), send_splits, recv_splits, group_name)
 
 
 def group_reduce(
-    dst: torch.Tensor, partial: torch.Tensor, reduce_index: torch.Tensor, send_splits: list[int],
-    recv_splits: list[int], group_name: str,
+    dst: torch.Tensor,
+    partial: torch.Tensor,
+    reduce_index: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group_name: str,
 ) -> torch.Tensor:
     """Return ``partial`` rows to the ranks that cast them and add them into ``dst[reduce_index]``.
 
@@ -63,8 +64,7 @@ def fingerprint(*parts: object) -> torch.Tensor:
 
 
 def check_agreement(
-    group_name: str, device: torch.device, what: str, *parts: object,
-    local_error: Exception | None = None,
+    group_name: str, device: torch.device, what: str, *parts: object, local_error: Exception | None = None
 ) -> None:
     """Raise ValueError on every rank if any rank has ``local_error`` or the ranks disagree.
 

@@ -45,9 +45,7 @@ def assemble_or_zeros(runs: tuple[tuple[int, int], ...], rows: torch.Tensor) -> 
     if len(runs) == 1 and runs[0][0] >= 0:
         p, n = runs[0]
         return rows[p : p + n]
-    parts = [
-        rows[p : p + n] if p >= 0 else rows.new_zeros((n, *rows.shape[1:])) for p, n in runs
-    ]
+    parts = [rows[p : p + n] if p >= 0 else rows.new_zeros((n, *rows.shape[1:])) for p, n in runs]
     return torch.cat(parts) if parts else rows[:0]
 
 
@@ -200,9 +198,7 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
             if o == rank:
                 part_src[i].append((s, e, local(seg.batch, s)))
     q_index = [(src, e - s) for i in call_order for s, e, src in sorted(part_src[i])]
-    return_rows = [
-        (seg_qpos[i] + s - segs[i].start, e - s) for o in range(c) for i, s, e, _ in recv_parts[o]
-    ]
+    return_rows = [(seg_qpos[i] + s - segs[i].start, e - s) for o in range(c) for i, s, e, _ in recv_parts[o]]
 
     # where each local row's output comes from: the kernel rows, or the rows returned to us
     out_src: list[tuple[int, int, int]] = []  # (local dst, src, n)
@@ -264,9 +260,7 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
             cu_q.append(cu_q[-1] + seg.end - seg.start)
             cu_k.append(cu_k[-1] + seg.key_end - seg.key_start)
         q0 = seg_qpos[members[0]]
-        calls.append(
-            KernelCall(VarlenSpec(cu_q, cu_k, plan.causal, wl, wr), q0, q0 + cu_q[-1], kpos, kpos + cu_k[-1])
-        )
+        calls.append(KernelCall(VarlenSpec(cu_q, cu_k, plan.causal, wl, wr), q0, q0 + cu_q[-1], kpos, kpos + cu_k[-1]))
         kpos += cu_k[-1]
 
     def runs_to_index(runs) -> torch.Tensor:
@@ -274,7 +268,11 @@ def build_exchange(plan: ContextParallelPlan, rank: int, device: torch.device) -
             return torch.zeros(0, dtype=torch.int64, device=device)
         return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in runs]).to(device)
 
-    sent = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in kv_send]) if kv_send else torch.zeros(0, dtype=torch.int64)
+    sent = (
+        torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in kv_send])
+        if kv_send
+        else torch.zeros(0, dtype=torch.int64)
+    )
     reduce_rows, reduce_slot = torch.unique(sent, return_inverse=True)
 
     return RankExchange(

@@ -374,9 +374,7 @@ def build_plan(
     """Plan from a validated layout; ``left``/``right`` already normalised (right=0 if causal)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    planner = _Planner(
-        layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance
-    )
+    planner = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance)
     planner.balance()
     return planner.result((left, right))
 
@@ -413,7 +411,5 @@ def plan_context_parallel(
     layout = get_layout(cu_seqlens, seq_len)
     return layout.derived(
         ("cp_plan", cp_size, causal, left, right, query_cost, tolerance),
-        lambda: build_plan(
-            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance
-        ),
+        lambda: build_plan(layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance),
     )

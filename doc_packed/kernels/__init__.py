@@ -29,8 +29,16 @@ from . import fa4, flash, flex, math
 from .spec import VarlenSpec, lse_dtype
 
 __all__ = [
-    "BACKENDS", "TABLE", "Backend", "VarlenSpec", "backward", "check_backend", "choose", "forward",
-    "lse_dtype", "reasons",
+    "BACKENDS",
+    "TABLE",
+    "Backend",
+    "VarlenSpec",
+    "backward",
+    "check_backend",
+    "choose",
+    "forward",
+    "lse_dtype",
+    "reasons",
 ]
 
 
@@ -50,9 +58,11 @@ class Backend(NamedTuple):
 TABLE: tuple[Backend, ...] = (
     Backend("fa4", fa4, lambda q, spec, kv: fa4.unsupported_reason(q, kv), True, (fa4.Unavailable,)),
     Backend(
-        "flex", flex,
+        "flex",
+        flex,
         lambda q, spec, kv: flex.unsupported_reason(q, None if spec is None else flex.problem_rows(spec)),
-        False, (flex.CompileError,),
+        False,
+        (flex.CompileError,),
     ),
     Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, ()),
     Backend("math", math, lambda q, spec, kv: None, True, ()),
@@ -69,9 +79,7 @@ def _entry(name: str) -> Backend:
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
-def reasons(
-    q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | None = None
-) -> dict[str, str | None]:
+def reasons(q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | None = None) -> dict[str, str | None]:
     """Per backend, why it cannot take ``q`` (and ``spec``/``kv_heads`` when given); None: it can."""
     return {b.name: b.why_not(q, spec, kv_heads) for b in TABLE}
 
@@ -85,9 +93,7 @@ def check_backend(backend: str, q: torch.Tensor, kv_heads: int | None = None) ->
         raise ValueError(f"backend={backend!r} {why}")
 
 
-def choose(
-    backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None = None
-) -> str:
+def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None = None) -> str:
     """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``).
 
     ``auto``: the first backend of :data:`TABLE` that takes the problem, skipping flex for
@@ -118,8 +124,7 @@ def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: 
             _broken[name] = err
             name = choose("auto", spec, q, kv_heads)
             warnings.warn(
-                f"doc_packed: backend {entry.name!r} failed ({err}); backend='auto' uses "
-                f"{name!r} from now on",
+                f"doc_packed: backend {entry.name!r} failed ({err}); backend='auto' uses {name!r} from now on",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -35,12 +35,25 @@ ARCHS = (9, 10)  # compute capability majors: Hopper, Blackwell (datacenter)
 _MAX_GQA = 128
 
 _FWD_KEYWORDS = (
-    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
-    "window_size_left", "window_size_right", "return_lse",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "return_lse",
 )
 _BWD_KEYWORDS = (
-    "softmax_scale", "causal", "window_size_left", "window_size_right", "cu_seqlens_q",
-    "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
 )
 
 
@@ -92,10 +105,7 @@ def unsupported_reason(q: torch.Tensor, kv_heads: int | None = None) -> str | No
     if kv_heads is not None:
         ratio = q.shape[-2] // kv_heads
         if ratio > _MAX_GQA or ratio & (ratio - 1):
-            return (
-                f"needs q heads / kv heads a power of two <= {_MAX_GQA}, got "
-                f"{q.shape[-2]} / {kv_heads}"
-            )
+            return f"needs q heads / kv heads a power of two <= {_MAX_GQA}, got {q.shape[-2]} / {kv_heads}"
     if not available():
         return f"needs the {PACKAGE} package ({INSTALL_HINT})"
     return None
@@ -116,9 +126,7 @@ def _interface():
     try:
         mod = importlib.import_module(MODULE)
     except Exception as err:  # ImportError, or the CuTe DSL failing to load its runtime
-        raise Unavailable(
-            f"cannot import {MODULE} ({type(err).__name__}: {err}); {INSTALL_HINT}"
-        ) from err
+        raise Unavailable(f"cannot import {MODULE} ({type(err).__name__}: {err}); {INSTALL_HINT}") from err
     fns = []
     for name, keywords in (("_flash_attn_fwd", _FWD_KEYWORDS), ("_flash_attn_bwd", _BWD_KEYWORDS)):
         fn = getattr(mod, name, None)
@@ -128,8 +136,7 @@ def _interface():
         missing = [k for k in keywords if k not in params]
         if missing:
             raise Unavailable(
-                f"{MODULE}.{name} takes no {', '.join(missing)}; doc-packed is tested with "
-                f"{PACKAGE} 4.0.0b36"
+                f"{MODULE}.{name} takes no {', '.join(missing)}; doc-packed is tested with {PACKAGE} 4.0.0b36"
             )
         fns.append(fn)
     return tuple(fns)
@@ -139,10 +146,14 @@ def _args(spec: VarlenSpec, q: torch.Tensor, scale: float) -> dict:
     cu_q, cu_k = spec.cu_tensors(q.device)
     left, right = window(spec)
     return {
-        "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-        "max_seqlen_q": spec.max_q, "max_seqlen_k": spec.max_k,
-        "softmax_scale": scale, "causal": spec.causal,
-        "window_size_left": left, "window_size_right": right,
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "max_seqlen_q": spec.max_q,
+        "max_seqlen_k": spec.max_k,
+        "softmax_scale": scale,
+        "causal": spec.causal,
+        "window_size_left": left,
+        "window_size_right": right,
     }
 
 

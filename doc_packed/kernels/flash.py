@@ -88,6 +88,5 @@ def backward(
     is_causal, window = _window(spec)
     rng = spec.cached(("rng", q.device), lambda: _rng_state(q.device))
     return bwd(
-        dout, q, k, v, out, lse, cu_q, cu_k, spec.max_q, spec.max_k, is_causal, rng,
-        scale=scale, window_size=window,
+        dout, q, k, v, out, lse, cu_q, cu_k, spec.max_q, spec.max_k, is_causal, rng, scale=scale, window_size=window
     )

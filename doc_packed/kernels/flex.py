@@ -59,10 +59,7 @@ def unsupported_reason(q: torch.Tensor, rows: tuple[int, int, int] | None) -> st
     if q.shape[-1] not in _HEAD_DIMS:
         return f"needs head dim in {_HEAD_DIMS}, got {q.shape[-1]}"
     if rows is not None and (rows[1] % BLOCK or rows[2] % BLOCK):
-        return (
-            f"needs sequence lengths divisible by {BLOCK}, got {rows[1]} queries and "
-            f"{rows[2]} keys per row"
-        )
+        return f"needs sequence lengths divisible by {BLOCK}, got {rows[1]} queries and {rows[2]} keys per row"
     if not available():
         return "needs triton and torch's flex_attention"
     return None
@@ -135,9 +132,7 @@ class _Mask:
         self.pos = tuple(i for i, x in enumerate(self.template) if isinstance(x, torch.Tensor))
         self.tensors = tuple(self.template[i] for i in self.pos)
         self.lo, self.hi = lo, hi
-        consts = tuple(
-            x for x in self.template if not isinstance(x, torch.Tensor) and not callable(x)
-        )
+        consts = tuple(x for x in self.template if not isinstance(x, torch.Tensor) and not callable(x))
         # what a compiled pass bakes in: block sizes, lengths, table shapes (not values)
         self.signature = (consts, tuple(tuple(t.shape) for t in self.tensors))
 
@@ -159,9 +154,12 @@ def block_mask(spec: VarlenSpec, device: torch.device) -> _Mask:
         partial, full = partial[:, None], full[:, None]  # one mask for every head
         _, Lq, Lk = problem_rows(spec)
         bm = BlockMask.from_kv_blocks(
-            *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK,
+            *_ordered(partial),
+            *_ordered(full),
+            BLOCK_SIZE=BLOCK,
             mask_mod=cast(Any, _mask_mod),  # (b, h, q, kv) plus our two buffers: flex passes them
-            seq_lengths=(Lq, Lk), compute_q_blocks=False,
+            seq_lengths=(Lq, Lk),
+            compute_q_blocks=False,
         )
         # the backward's column view, from our dense tables (torch's own transpose uses vmap,
         # which fails when this runs inside a compiled graph)
@@ -183,8 +181,12 @@ def _kernel_options() -> dict:
         opts = _compat.apply_kernel_options()(dummy, dummy, dummy, True, opts)
     except (ImportError, TypeError, ValueError):  # pragma: no cover - older/newer torch
         opts.update(
-            PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False,
-            WRITE_DQ=True, OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False,
+            PRESCALE_QK=False,
+            ROWS_GUARANTEED_SAFE=False,
+            BLOCKS_ARE_CONTIGUOUS=False,
+            WRITE_DQ=True,
+            OUTPUT_LOGSUMEXP=True,
+            OUTPUT_MAX=False,
         )
     opts["OUTPUT_LOGSUMEXP"] = True
     return opts
@@ -236,8 +238,15 @@ def _first_call(key, fn, inputs):
 
 def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph) -> tuple:
     return (
-        pass_, compile_graph, problem_rows(spec), tuple(q.shape), tuple(k.shape), q.dtype,
-        q.device, scale, mask.signature,
+        pass_,
+        compile_graph,
+        problem_rows(spec),
+        tuple(q.shape),
+        tuple(k.shape),
+        q.dtype,
+        q.device,
+        scale,
+        mask.signature,
     )
 
 
@@ -273,7 +282,9 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
 
     out4, lse2 = _run_pass(
         _key("fwd", spec, q, k, scale, mask, compile_graph),
-        (q4, k4, v4, mask.lo, mask.hi, *mask.tensors), make_fn, compile_graph,
+        (q4, k4, v4, mask.lo, mask.hi, *mask.tensors),
+        make_fn,
+        compile_graph,
     )
     out = out4.transpose(1, 2).reshape(q.shape)
     return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
@@ -294,8 +305,7 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
 
         def run(q4, k4, v4, o4, lse2, do4, lo, hi, *bt):
             dq, dk, dv, *_ = flex_attention_backward(
-                q4, k4, v4, o4, lse2, do4, None, fw_graph, joint_graph, mask.rebuild(bt),
-                scale, opts, (), (lo, hi),
+                q4, k4, v4, o4, lse2, do4, None, fw_graph, joint_graph, mask.rebuild(bt), scale, opts, (), (lo, hi)
             )
             return dq, dk, dv
 
@@ -303,11 +313,12 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
 
     dq, dk, dv = _run_pass(
         _key("bwd", spec, q, k, scale, mask, compile_graph),
-        (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors), make_fn, compile_graph,
+        (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors),
+        make_fn,
+        compile_graph,
     )
     return (
         dq.transpose(1, 2).reshape(q.shape),
         dk.transpose(1, 2).reshape(k.shape),
         dv.transpose(1, 2).reshape(v.shape),
     )
-

@@ -81,9 +81,7 @@ def _masked_scores(qb, kb, scale, bounds, tile, n):
 
 
 def _device_bounds(spec: VarlenSpec, device: torch.device):
-    return spec.cached(
-        ("bounds", device), lambda: tuple(t.to(device) for t in spec.key_bounds())
-    )
+    return spec.cached(("bounds", device), lambda: tuple(t.to(device) for t in spec.key_bounds()))
 
 
 def forward(

@@ -26,28 +26,10 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 class VarlenSpec:
     """Segment offsets (host ints) plus the mask of a packed varlen attention call."""
 
-    __slots__ = (
-        "_cache",
-        "causal",
-        "cu_k",
-        "cu_q",
-        "left",
-        "max_k",
-        "max_q",
-        "right",
-        "row_len",
-        "total_k",
-        "total_q",
-    )
+    __slots__ = ("_cache", "causal", "cu_k", "cu_q", "left", "max_k", "max_q", "right", "row_len", "total_k", "total_q")
 
     def __init__(
-        self,
-        cu_q: Sequence[int],
-        cu_k: Sequence[int],
-        causal: bool,
-        left: int,
-        right: int,
-        row_len: int | None = None,
+        self, cu_q: Sequence[int], cu_k: Sequence[int], causal: bool, left: int, right: int, row_len: int | None = None
     ):
         if len(cu_q) != len(cu_k) or len(cu_q) < 1:
             raise ValueError("cu_q and cu_k must have the same, non-zero length")
