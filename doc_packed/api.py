@@ -14,25 +14,33 @@ from ._checks import check_qkv, check_scale, check_window
 
 __all__ = ["doc_packed_attn", "planning"]
 
-_doc_len_hints: list[int] = []  # innermost ``with planning(...)`` last
+_hints: list[tuple[int, str | None]] = []  # (doc_len, cp_dim) of each open ``planning`` block
 
 
 @contextlib.contextmanager
-def planning(*, doc_len: int | None) -> Iterator[None]:
-    """Within this block, :func:`doc_packed_attn` calls that do not pass ``planning_doc_len``
-    carry ``doc_len`` (``None``: one document per row, the default outside any block).
+def planning(*, doc_len: int | None, cp_dim: str | None = None) -> Iterator[None]:
+    """Planning hints that :func:`doc_packed_attn` calls made inside this block carry.
 
-    Wrap tracing with it: ``with dp.planning(doc_len=2048), AutoParallel(model, ...) as autop:``.
-    The hint becomes an argument of every traced attention call, so the graph, AutoParallel's
-    cost cache and :func:`shardings.autoparallel.describe_attention` all see the value the
+    - ``doc_len``: the mean document length cost estimates on fake tensors assume (``None``:
+      one document per row, the default outside any block); a call's own
+      ``planning_doc_len=`` wins.
+    - ``cp_dim``: the name of the mesh dim that may shard the sequence. The sharding rules then
+      offer the sequence placement on that dim only, and price the context-parallel exchange on
+      its links. Without it every dim is offered, and the exchange is priced on the dim whose
+      size matches the shard (the slowest such dim when several do, e.g. 8 hosts x 8 GPUs).
+
+    Wrap tracing with it: ``with dp.planning(doc_len=2048, cp_dim="cp"), AutoParallel(...)``.
+    The hints become arguments of every traced attention call, so the graph, AutoParallel's
+    cost cache and :func:`shardings.autoparallel.describe_attention` all see the values the
     model was planned with; two models planned with different hints never share costs.
     """
-    value = _check_doc_len(doc_len)
-    _doc_len_hints.append(value)
+    if cp_dim is not None and not isinstance(cp_dim, str):
+        raise TypeError(f"cp_dim must be a mesh dim name (str) or None, got {type(cp_dim).__name__}")
+    _hints.append((_check_doc_len(doc_len), cp_dim))
     try:
         yield
     finally:
-        _doc_len_hints.pop()
+        _hints.pop()
 
 
 def _check_doc_len(doc_len: object) -> int:
@@ -132,12 +140,11 @@ def doc_packed_attn(
         )
     else:
         seq_len = local_len
-    if planning_doc_len is None:
-        doc_len = _doc_len_hints[-1] if _doc_len_hints else 0
-    else:
+    doc_len, cp_dim = _hints[-1] if _hints else (0, None)
+    if planning_doc_len is not None:
         doc_len = _check_doc_len(planning_doc_len)
     cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = torch.ops.doc_packed.attn_fwd(
-        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len
+        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim
     )
     return (out, lse) if return_lse else out

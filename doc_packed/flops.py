@@ -26,7 +26,7 @@ import torch
 from ._doc_layout import cp_degree, get_layout
 from ._mask import doc_pairs
 
-# (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len) -> flops
+# (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len, cp_dim) -> flops
 PlanningCost = Callable[..., int]
 _planning_cost: PlanningCost | None = None
 
@@ -77,6 +77,7 @@ def attention_flops(
     cp_group: str | None,
     backward: bool,
     doc_len: int = 0,
+    cp_dim: str | None = None,
 ) -> int:
     """FLOPs of one call (this rank's share when sequence-sharded)."""
     B, S_local, Hq, D = q.shape
@@ -90,6 +91,6 @@ def attention_flops(
         flops = -(-flops // cp)
         if cp_group is None and _planning_cost is not None:
             flops = _planning_cost(
-                tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops, doc_len
+                tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops, doc_len, cp_dim
             )
     return int(flops)

@@ -1,7 +1,7 @@
 """The ``doc_packed`` custom ops: forward and backward, fake kernels, autograd, flop formulas.
 
 ``doc_packed::attn_fwd(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale,
-backend, cp_group, planning_doc_len) -> (out, lse)`` and ``doc_packed::attn_bwd(dout, q, k, v,
+backend, cp_group, planning_doc_len, planning_cp_dim) -> (out, lse)`` and ``doc_packed::attn_bwd(dout, q, k, v,
 out, lse, cu_seqlens, ...same...) -> (dq, dk, dv)``. :data:`FWD_ARGS` / :data:`BWD_ARGS` are the
 one place these positions are written down; :func:`arg_index` reads them.
 
@@ -12,9 +12,11 @@ context-parallel exchange (:mod:`doc_packed.cp`). Sharding rules and AutoParalle
 sequence-sharded call through that mismatch, which is also how the flop formula knows the
 sequence-parallel degree from local shapes alone.
 
-``planning_doc_len`` only shapes cost estimates made on fake tensors (the mean document length
-to assume when ``cu_seqlens`` has no values; 0: one document per row). It travels with the call,
-so a traced graph and AutoParallel's cost cache carry it (:func:`doc_packed.planning`).
+``planning_doc_len`` and ``planning_cp_dim`` only shape planning: the mean document length cost
+estimates on fake tensors assume when ``cu_seqlens`` has no values (0: one document per row),
+and the mesh dim name that may shard the sequence (None: any). They travel with the call, so a
+traced graph, the sharding rules and AutoParallel's cost cache carry them
+(:func:`doc_packed.planning`).
 
 Autograd saves ``(q, k, v, cu_seqlens, out, lse)`` and calls ``attn_bwd``: the forward is never recomputed.
 A gradient flowing into ``lse`` (when the caller uses it) is handled by composing the two ops.
@@ -41,6 +43,7 @@ _SHARED_ARGS = (
     "backend",
     "cp_group",
     "planning_doc_len",
+    "planning_cp_dim",
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *_SHARED_ARGS)
 BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *_SHARED_ARGS)
@@ -94,6 +97,7 @@ def attn_fwd(
     backend: str,
     cp_group: str | None,
     planning_doc_len: int = 0,
+    planning_cp_dim: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -109,7 +113,21 @@ def attn_fwd(
 
 
 @attn_fwd.register_fake
-def _(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, planning_doc_len=0):
+def _(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    seq_len,
+    causal,
+    window_left,
+    window_right,
+    scale,
+    backend,
+    cp_group,
+    planning_doc_len=0,
+    planning_cp_dim=None,
+):
     B, S, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
 
@@ -131,6 +149,7 @@ def attn_bwd(
     backend: str,
     cp_group: str | None,
     planning_doc_len: int = 0,
+    planning_cp_dim: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -149,7 +168,24 @@ def attn_bwd(
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, wl, wr, scale, backend, cp_group, planning_doc_len=0):
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens,
+    seq_len,
+    causal,
+    wl,
+    wr,
+    scale,
+    backend,
+    cp_group,
+    planning_doc_len=0,
+    planning_cp_dim=None,
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -205,6 +241,7 @@ def _flop_count(names: tuple[str, ...], args: tuple, kwargs: dict, backward: boo
         a["cp_group"],
         backward=backward,
         doc_len=a.get("planning_doc_len", 0),
+        cp_dim=a.get("planning_cp_dim"),
     )
 
 

@@ -16,10 +16,11 @@ redistribution it implies. So:
   model: that one multiplies its estimate by 5 (a FIXME in its source), while on 2 x H200
   ``all_to_all_single`` measured 283 GB/s against all-gather's 256 GB/s. Ulysses-style
   ``Shard(1) -> Shard(2)`` redistributions are still priced by AutoParallel's own model.
-  The formula sees local shapes only, so the mesh dim is inferred: the dim of size ``cp``;
-  where several dims have that size (e.g. a 2 x 2 mesh) the exchange is priced on the slowest
-  of them, which is exact within one host (every dim has the same links) and conservative
-  across hosts.
+  The formula sees local shapes only. With the call's ``planning_cp_dim`` hint
+  (:func:`doc_packed.planning`) the strategies shard the sequence on that named dim only, so
+  that is the dim priced. Without it the dim is inferred: the dim of size ``cp``; where several
+  dims have that size (e.g. 8 hosts x 8 GPUs) the exchange is priced on the slowest of them,
+  exact within one host (every dim has the same links) and conservative across hosts.
   The traffic and the imbalance come from our real planner run on a representative layout:
   rows of lognormal documents of the call's ``planning_doc_len`` tokens (:func:`doc_packed.planning`;
   default: one document per row, the worst case for context parallelism's traffic).
@@ -81,10 +82,15 @@ def exchange_bytes(
     return kv_side + q_side
 
 
-def _exchange_us(mesh, cp: int, nbytes: list[int]) -> float | None:
-    """AutoParallel's time for the exchange's collectives on the mesh dim of size ``cp`` (the
-    slowest such dim when several have that size); None when no dim has it."""
-    dims = [d for d in range(mesh.ndim) if mesh.size(d) == cp]
+def _exchange_us(mesh, cp: int, nbytes: list[int], cp_dim: str | None = None) -> float | None:
+    """AutoParallel's time for the exchange's collectives on the mesh dim named ``cp_dim`` (the
+    call's planning hint; the strategies shard the sequence on it only), else on the dim of size
+    ``cp`` (the slowest such dim when several have that size); None when no dim fits."""
+    names = mesh.mesh_dim_names or ()
+    if cp_dim is not None and cp_dim in names:
+        dims = [names.index(cp_dim)] if mesh.size(names.index(cp_dim)) == cp else []
+    else:
+        dims = [d for d in range(mesh.ndim) if mesh.size(d) == cp]
     if not dims:
         return None
     topology = mesh_topology(mesh)
@@ -95,7 +101,7 @@ def _exchange_us(mesh, cp: int, nbytes: list[int]) -> float | None:
     )
 
 
-def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flop_count, doc_len):
+def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flop_count, doc_len, cp_dim):
     """Flop count of a sequence-sharded call while AutoParallel plans: imbalance + exchange."""
     mesh = current_mesh()
     if mesh is None or not installed():
@@ -105,7 +111,7 @@ def _planning_cost(q_shape, kv_heads, seq_len, causal, left, right, dtype, backw
     doc_len = flops.planned_doc_len(doc_len, seq_len)
     plan = representative_plan(seq_len, doc_len, cp, causal, left, right, q_heads / kv_heads)
     nbytes = exchange_bytes(plan, rows, q_heads, kv_heads, head_dim, dtype.itemsize, backward)
-    us = _exchange_us(mesh, cp, nbytes)
+    us = _exchange_us(mesh, cp, nbytes, cp_dim)
     if us is None:
         return flop_count
     return int(flop_count * plan.imbalance + us * 1e-6 * device_tflops(dtype) * 1e12 * 0.7)

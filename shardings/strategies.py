@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
@@ -66,13 +66,21 @@ BWD: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {
 
 
 def offered_kinds(
-    mesh_shape: Sequence[int], batch: int, seq_len: int, q_heads: int, kv_heads: int
+    mesh_shape: Sequence[int],
+    batch: int,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    sequence_dims: Collection[int] | None = None,
 ) -> list[tuple[str, ...]]:
-    """Every per-mesh-dim kind assignment offered for these global sizes."""
+    """Every per-mesh-dim kind assignment offered for these global sizes (the sequence only on
+    ``sequence_dims`` when given)."""
     offered = []
     for kinds in itertools.product(KINDS, repeat=len(mesh_shape)):
         size = {kind: math.prod(n for n, k in zip(mesh_shape, kinds) if k == kind) for kind in KINDS}
         if kinds.count("sequence") > 1:
+            continue
+        if sequence_dims is not None and any(k == "sequence" and d not in sequence_dims for d, k in enumerate(kinds)):
             continue
         if batch % size["batch"] or q_heads % size["heads"] or kv_heads % size["heads"]:
             continue
@@ -94,6 +102,26 @@ def _meta(shape: Sequence[int], dtype: torch.dtype) -> TensorMeta:
     return TensorMeta(shape, stride, dtype)
 
 
+def _static_arg(op_schema: OpSchema, name: str) -> object:
+    i = arg_index(op_schema.op, name)
+    args = op_schema.args_schema
+    return args[i] if len(args) > i else op_schema.kwargs_schema.get(name)
+
+
+def _sequence_dims(mesh, cp_dim: object) -> list[int] | None:
+    """The mesh dims that may shard the sequence: the one the call's ``planning_cp_dim`` names,
+    or all (None) without a hint."""
+    if cp_dim is None:
+        return None
+    names = tuple(mesh.mesh_dim_names or ())
+    if cp_dim not in names:
+        raise ValueError(
+            f"planning cp_dim={cp_dim!r} (doc_packed.planning) is not a dim of this mesh; its dims "
+            f"are {list(names) if names else 'unnamed (give init_device_mesh mesh_dim_names=...)'}"
+        )
+    return [names.index(cp_dim)]
+
+
 def _strategy(op_schema: OpSchema) -> OpStrategy:
     op = op_schema.op
     table = FWD if op is torch.ops.doc_packed.attn_fwd.default else BWD
@@ -109,8 +137,9 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
     else:
         out_metas = [_meta(inputs[i].strategies[0].output_spec.tensor_meta.shape, q_meta.dtype) for i in (1, 2, 3)]
     in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
+    sequence_dims = _sequence_dims(mesh, _static_arg(op_schema, "planning_cp_dim"))
     specs = []
-    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv):
+    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv, sequence_dims):
         outs = [
             DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(out_metas)
         ]

@@ -41,7 +41,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
+def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False, cp_dim=None):
     """Trace and solve; return ({role: layout}, autop, placement)."""
     from autoparallel.api import AutoParallel
     from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
@@ -58,7 +58,7 @@ def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False):
     def input_fn():
         return torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32)
 
-    with gpus_per_host(8), device_name_for_cost_model(), dp.planning(doc_len=doc_len), AutoParallel(
+    with gpus_per_host(8), device_name_for_cost_model(), dp.planning(doc_len=doc_len, cp_dim=cp_dim), AutoParallel(
         model, input_fn, mesh
     ) as autop:
         if inputs is not None:
@@ -133,8 +133,23 @@ def test_solver_scenarios_8_ranks(what, B, S, doc_len, cfg, ok, why):
 
 def test_solver_scenario_64_ranks_long_packed_rows():
     # 8 hosts x 8 GPUs, 8 rows of 64k packed tokens: batch across hosts, CP inside a host
-    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
+    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024, cp_dim="cp")
     assert layout == {"dp": "batch", "cp": "sequence"}
+
+
+def test_solver_scenario_64_ranks_without_a_cp_dim_hint():
+    # both dims have 8 ranks: without planning(cp_dim=...) the exchange is priced on the slower
+    # (inter-host) dim whichever dim shards the sequence, so the solver still pairs batch with
+    # sequence but cannot tell the dims apart
+    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
+    assert sorted(layout.values()) == ["batch", "sequence"]
+
+
+def test_cp_dim_hint_limits_where_the_sequence_is_sharded():
+    layout, *_ = plan((2, 4), ("dp", "tp"), 2, 65536, 2048, cp_dim="dp")
+    assert layout["tp"] != "sequence"
+    with pytest.raises(ValueError, match="cp_dim='cp'.*not a dim of this mesh.*'dp', 'tp'"):
+        plan((2, 4), ("dp", "tp"), 2, 65536, 2048, cp_dim="cp")
 
 
 def test_solver_scenario_64_ranks_many_short_rows():

@@ -22,7 +22,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd"):
+def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd", names=None, cp_dim=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -30,7 +30,7 @@ def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd"):
 
     from shardings.strategies import kind_of
 
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     rep = (Replicate(),) * mesh.ndim
 
     def strat(shape, dtype=torch.float32):
@@ -39,7 +39,7 @@ def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd"):
 
     q, kv = strat((B_, S, Hq, 8)), strat((B_, S, Hkv, 8))
     cu = strat((B_, 5), torch.int32)
-    flags = (True, -1, 0, 1.0, "auto", None)
+    flags = (True, -1, 0, 1.0, "auto", None, 0, cp_dim)
     if op == "fwd":
         o = torch.ops.doc_packed.attn_fwd.default
         args = (q, kv, kv, cu, S, *flags)
@@ -49,6 +49,17 @@ def offered(mesh_shape, B_, S, Hq, Hkv, op="fwd"):
     result = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs[o](OpSchema(o, args, {}))
     q_pos = 0 if op == "fwd" else 1
     return {kind_of(s.input_specs[q_pos].placements) for s in result.strategies}, result
+
+
+def test_planning_cp_dim_keeps_the_sequence_on_that_dim(fake_world):
+    free, _ = offered((2, 4), 8, 64, 8, 8, names=("dp", "cp"))
+    hinted, _ = offered((2, 4), 8, 64, 8, 8, names=("dp", "cp"), cp_dim="cp")
+    assert (Q, B) in free and (Q, H) in free  # without the hint either dim may shard it
+    assert hinted == {k for k in free if k[0] != Q}
+    hinted_bwd, _ = offered((2, 4), 8, 64, 8, 8, op="bwd", names=("dp", "cp"), cp_dim="dp")
+    assert hinted_bwd and all(k[1] != Q for k in hinted_bwd) and any(k[0] == Q for k in hinted_bwd)
+    with pytest.raises(ValueError, match="cp_dim='tp'.*not a dim of this mesh"):
+        offered((2, 4), 8, 64, 8, 8, names=("dp", "cp"), cp_dim="tp")
 
 
 def test_enumeration_1d(fake_world):
