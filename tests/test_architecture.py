@@ -62,6 +62,20 @@ def test_doc_packed_never_imports_shardings():
     assert not found, "doc_packed must not import shardings:\n" + "\n".join(found)
 
 
+# what shardings may use of doc_packed (docs/architecture.md)
+SHARDINGS_MAY_IMPORT = {"doc_packed", "doc_packed.ops", "doc_packed.flops", "doc_packed.layout", "doc_packed._compat"}
+
+
+def test_shardings_uses_doc_packed_through_its_stated_surface():
+    found = [
+        f"{_rel(p)}:{line} imports {module}"
+        for p in _sources("shardings")
+        for line, module, _ in _imports(ast.parse(p.read_text()), "shardings")
+        if module.split(".")[0] == "doc_packed" and module not in SHARDINGS_MAY_IMPORT
+    ]
+    assert not found, "shardings reaches into doc_packed internals:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize(
     "order", [("doc_packed",), ("shardings",), ("doc_packed", "shardings"), ("shardings", "doc_packed")]
 )
