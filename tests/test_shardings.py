@@ -132,3 +132,24 @@ def test_dtensor_execution_world4_2d():
         for case, (err, out_pl, grad_pl) in zip(cases, rank_report):
             assert err < 1e-10
             assert out_pl == case["placements"] and grad_pl == case["placements"]
+
+
+def test_registration_survives_torchs_context_parallel_mode():
+    """torch's context_parallel() swaps DTensor's handler dict while on and restores its own
+    copy when off; registering meanwhile must not be lost."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+
+    import shardings
+
+    handlers = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731
+    op = torch.ops.doc_packed.attn_fwd.default
+    torch_cp._enable_cp_dtensor_dispatcher()
+    try:
+        handlers().pop(op, None)
+        torch_cp.existing_custom_ops.pop(op, None)
+        shardings.register()
+        assert op in handlers()
+    finally:
+        torch_cp._disable_cp_dtensor_dispatcher()
+    assert op in handlers()
