@@ -33,20 +33,26 @@ from .kernels import lse_dtype
 
 __all__ = ["BWD_ARGS", "FWD_ARGS", "arg_index", "attn_bwd", "attn_fwd", "cp_degree", "lse_dtype"]
 
-_SHARED_ARGS = (
-    "cu_seqlens",
-    "seq_len",
-    "causal",
-    "window_left",
-    "window_right",
-    "scale",
-    "backend",
-    "cp_group",
-    "planning_doc_len",
-    "planning_cp_dim",
+# (name, schema type, default) of the arguments both ops share, after their tensors
+_SHARED: tuple[tuple[str, str, str | None], ...] = (
+    ("cu_seqlens", "Tensor", None),
+    ("seq_len", "int", None),
+    ("causal", "bool", None),
+    ("window_left", "int", None),
+    ("window_right", "int", None),
+    ("scale", "float", None),
+    ("backend", "str", None),
+    ("cp_group", "str?", None),
+    ("planning_doc_len", "int", "0"),
+    ("planning_cp_dim", "str?", "None"),
 )
-FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *_SHARED_ARGS)
-BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *_SHARED_ARGS)
+FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
+BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
+
+
+def _schema(tensors: tuple[str, ...], outputs: int) -> str:
+    args = [f"Tensor {n}" for n in tensors] + [f"{t} {n}" + (f"={d}" if d else "") for n, t, d in _SHARED]
+    return f"({', '.join(args)}) -> ({', '.join(['Tensor'] * outputs)})"
 
 
 def arg_index(op: object, name: str) -> int:
@@ -83,22 +89,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=())
+@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2))
 def attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    seq_len: int,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    scale: float,
-    backend: str,
-    cp_group: str | None,
-    planning_doc_len: int = 0,
-    planning_cp_dim: str | None = None,
+    q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # planning: planning_doc_len, planning_cp_dim (for cost estimates only; see the schema)
     if cp_group is not None:
         from .cp import attention as cp_attention
 
@@ -113,43 +108,14 @@ def attn_fwd(
 
 
 @attn_fwd.register_fake
-def _(
-    q,
-    k,
-    v,
-    cu_seqlens,
-    seq_len,
-    causal,
-    window_left,
-    window_right,
-    scale,
-    backend,
-    cp_group,
-    planning_doc_len=0,
-    planning_cp_dim=None,
-):
+def _(q, k, v, *args):
     B, S, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=())
+@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3))
 def attn_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    seq_len: int,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    scale: float,
-    backend: str,
-    cp_group: str | None,
-    planning_doc_len: int = 0,
-    planning_cp_dim: str | None = None,
+    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -168,24 +134,7 @@ def attn_bwd(
 
 
 @attn_bwd.register_fake
-def _(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens,
-    seq_len,
-    causal,
-    wl,
-    wr,
-    scale,
-    backend,
-    cp_group,
-    planning_doc_len=0,
-    planning_cp_dim=None,
-):
+def _(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

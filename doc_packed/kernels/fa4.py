@@ -24,6 +24,7 @@ import inspect
 import os
 
 import torch
+from torch import Tensor
 
 from .spec import VarlenSpec
 
@@ -87,7 +88,7 @@ def _head_dim_ok(d: int, major: int) -> bool:
     return 8 <= d <= 256 if major == 9 else (8 <= d <= 128 or d == 256)
 
 
-def unsupported_reason(q: torch.Tensor, kv_heads: int | None = None) -> str | None:
+def unsupported_reason(q: Tensor, kv_heads: int | None = None) -> str | None:
     """Why FA4 cannot take ``q`` (``[T, H, D]`` or ``[B, S, H, D]``) with ``kv_heads`` K/V heads.
 
     None when it can. ``kv_heads`` None skips the GQA rule (not known yet).
@@ -142,7 +143,7 @@ def _interface():
     return tuple(fns)
 
 
-def _args(spec: VarlenSpec, q: torch.Tensor, scale: float) -> dict:
+def _args(spec: VarlenSpec, q: Tensor, scale: float) -> dict:
     cu_q, cu_k = spec.cu_tensors(q.device)
     left, right = window(spec)
     return {
@@ -157,9 +158,7 @@ def _args(spec: VarlenSpec, q: torch.Tensor, scale: float) -> dict:
     }
 
 
-def forward(
-    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
     fwd, _ = _interface()
     out, lse, *_ = fwd(q, k, v, return_lse=True, **_args(spec, q, scale))
@@ -167,15 +166,8 @@ def forward(
 
 
 def backward(
-    spec: VarlenSpec,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec: VarlenSpec, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` from the saved ``out`` (q's dtype) and natural-log ``lse [H_q, T_q]``."""
     _, bwd = _interface()
     dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale))[:3]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 
 from .. import _compat
 from .spec import VarlenSpec
@@ -31,7 +32,7 @@ def available() -> bool:
     return True
 
 
-def unsupported_reason(q: torch.Tensor) -> str | None:
+def unsupported_reason(q: Tensor) -> str | None:
     """Why the flash kernel cannot take ``q`` (device, dtype, head size); None when it can."""
     if q.device.type != "cuda":
         return f"needs a CUDA tensor, got {q.device.type}"
@@ -45,7 +46,7 @@ def unsupported_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def supports(q: torch.Tensor) -> bool:
+def supports(q: Tensor) -> bool:
     """Whether the flash kernel takes this input (device, dtype, head size)."""
     return unsupported_reason(q) is None
 
@@ -55,13 +56,11 @@ def _window(spec: VarlenSpec) -> tuple[bool, list[int]]:
     return window == [-1, 0], window
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
+def _rng_state(device: torch.device) -> Tensor:
     return torch.zeros(2, dtype=torch.uint64, device=device)
 
 
-def forward(
-    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``."""
     fwd, names, _, _ = _ops()
     cu_q, cu_k = spec.cu_tensors(q.device)
@@ -74,15 +73,8 @@ def forward(
 
 
 def backward(
-    spec: VarlenSpec,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec: VarlenSpec, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     _, _, bwd, _ = _ops()
     cu_q, cu_k = spec.cu_tensors(q.device)
     is_causal, window = _window(spec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from .spec import VarlenSpec, lse_dtype
 
@@ -51,19 +52,19 @@ def _plan_blocks(spec: VarlenSpec) -> list[_Block]:
     return blocks
 
 
-def _heads_first(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+def _heads_first(x: Tensor, hkv: int, dtype: torch.dtype) -> Tensor:
     """``[n, Hq, D]`` -> ``[Hkv, G * n, D]`` so one bmm serves a whole GQA group."""
     n, hq, d = x.shape
     return x.to(dtype).view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
 
 
-def _heads_last(x: torch.Tensor, n: int) -> torch.Tensor:
+def _heads_last(x: Tensor, n: int) -> Tensor:
     """Inverse of :func:`_heads_first`: ``[Hkv, G * n, D]`` -> ``[n, Hq, D]``."""
     hkv, gn, d = x.shape
     return x.view(hkv, gn // n, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
 
 
-def _row_stats(x: torch.Tensor, hkv: int) -> torch.Tensor:
+def _row_stats(x: Tensor, hkv: int) -> Tensor:
     """``[Hq, n]`` -> ``[Hkv, G * n]`` (head-major, same order as :func:`_heads_first`)."""
     return x.reshape(hkv, -1)
 
@@ -84,30 +85,41 @@ def _device_bounds(spec: VarlenSpec, device: torch.device):
     return spec.cached(("bounds", device), lambda: tuple(t.to(device) for t in spec.key_bounds()))
 
 
-def forward(
-    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_blocks(spec: VarlenSpec, q: Tensor, hkv: int, acc: torch.dtype):
+    """Each query block that sees any key: ``(block, t0, t1, its queries heads-first, its key bounds)``."""
+    lo, hi = _device_bounds(spec, q.device)
+    for blk in spec.cached("blocks", lambda: _plan_blocks(spec)):
+        if blk.tiles:
+            yield (
+                blk,
+                blk.t0,
+                blk.t1,
+                _heads_first(q[blk.t0 : blk.t1], hkv, acc),
+                (lo[blk.t0 : blk.t1], hi[blk.t0 : blk.t1]),
+            )
+
+
+def _key_tiles(blk: _Block, qb: Tensor, k: Tensor, v: Tensor, acc: torch.dtype, scale: float, bounds):
+    """Each key tile of ``blk``: ``(k0, k1, keys, values, masked scaled scores)``, keys/values heads-first."""
+    for tile in blk.tiles:
+        k0, k1, _ = tile
+        kb = k[k0:k1].to(acc).transpose(0, 1)
+        vb = v[k0:k1].to(acc).transpose(0, 1)
+        yield k0, k1, kb, vb, _masked_scores(qb, kb, scale, bounds, tile, blk.t1 - blk.t0)
+
+
+def forward(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [T_q, H_q, D], lse [H_q, T_q])``; lse is float32 (float64 for float64 inputs)."""
     hkv = k.shape[1]
     acc = lse_dtype(q.dtype)
-    blocks = spec.cached("blocks", lambda: _plan_blocks(spec))
-    lo, hi = _device_bounds(spec, q.device)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc, device=q.device)
-    for blk in blocks:
-        if not blk.tiles:
-            continue
-        t0, t1 = blk.t0, blk.t1
+    for blk, t0, t1, qb, bounds in _query_blocks(spec, q, hkv, acc):
         n = t1 - t0
-        qb = _heads_first(q[t0:t1], hkv, acc)
         m = torch.full(qb.shape[:2], -math.inf, dtype=acc, device=q.device)
         l = torch.zeros_like(m)
         o = torch.zeros_like(qb)
-        for tile in blk.tiles:
-            k0, k1, _ = tile
-            kb = k[k0:k1].to(acc).transpose(0, 1)
-            vb = v[k0:k1].to(acc).transpose(0, 1)
-            s = _masked_scores(qb, kb, scale, (lo[t0:t1], hi[t0:t1]), tile, n)
+        for _, _, _, vb, s in _key_tiles(blk, qb, k, v, acc, scale, bounds):
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             p = torch.exp(s - m_safe[..., None])
@@ -124,40 +136,23 @@ def forward(
 
 
 def backward(
-    spec: VarlenSpec,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec: VarlenSpec, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` from the saved ``out`` and ``lse`` (no forward recompute)."""
     hkv = k.shape[1]
     acc = lse_dtype(q.dtype)
-    blocks = spec.cached("blocks", lambda: _plan_blocks(spec))
-    lo, hi = _device_bounds(spec, q.device)
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for blk in blocks:
-        if not blk.tiles:
-            continue
-        t0, t1 = blk.t0, blk.t1
+    for blk, t0, t1, qb, bounds in _query_blocks(spec, q, hkv, acc):
         n = t1 - t0
-        qb = _heads_first(q[t0:t1], hkv, acc)
         dob = _heads_first(dout[t0:t1], hkv, acc)
         delta = (dout[t0:t1].to(acc) * out[t0:t1].to(acc)).sum(-1)  # [n, Hq]
         delta = _row_stats(delta.t(), hkv)
         lse_b = _row_stats(lse[:, t0:t1].to(acc), hkv)
         lse_b = lse_b.masked_fill(lse_b == -math.inf, math.inf)  # rows that see nothing
         dqb = torch.zeros_like(qb)
-        for tile in blk.tiles:
-            k0, k1, _ = tile
-            kb = k[k0:k1].to(acc).transpose(0, 1)
-            vb = v[k0:k1].to(acc).transpose(0, 1)
-            s = _masked_scores(qb, kb, scale, (lo[t0:t1], hi[t0:t1]), tile, n)
+        for k0, k1, kb, vb, s in _key_tiles(blk, qb, k, v, acc, scale, bounds):
             p = torch.exp(s - lse_b[..., None])
             dv[k0:k1] += torch.bmm(p.transpose(1, 2), dob).transpose(0, 1)
             ds = p * (torch.bmm(dob, vb.transpose(1, 2)) - delta[..., None])
