@@ -21,6 +21,7 @@ __all__ = [
     "PrivateAPIError",
     "all_gather_into_tensor",
     "all_to_all_single",
+    "all_to_all_single_async",
     "apply_kernel_options",
     "compile_fx",
     "create_fw_bw_graph",
@@ -30,6 +31,7 @@ __all__ = [
     "resolve_process_group",
     "tensor_version",
     "varlen_attn_ops",
+    "wait_tensor",
 ]
 
 MIN_TORCH = (2, 11)
@@ -86,6 +88,19 @@ def all_to_all_single(x: torch.Tensor, recv_splits: list[int], send_splits: list
     """AllToAll-V along dim 0, waited (traceable: the functional collective ops)."""
     out = _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
     return _c10d_functional("wait_tensor")(out)
+
+
+def all_to_all_single_async(
+    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str
+) -> torch.Tensor:
+    """AllToAll-V along dim 0, issued and not waited: pass the result to :func:`wait_tensor`
+    before reading it (eager: the transfer runs while the caller computes)."""
+    return _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
+
+
+def wait_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Wait for a functional collective's result."""
+    return _c10d_functional("wait_tensor")(x)
 
 
 def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

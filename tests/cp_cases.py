@@ -44,11 +44,11 @@ def cp_parity(rank, world, cases):
             (lse - ref_lse.chunk(world, dim=2)[rank]).abs().max().item(),
             *[(a - chunks(b)).abs().max().item() for a, b in zip(grads, ref_grads)],
         )
-        from doc_packed.cp.attention import get_exchange
+        from doc_packed.cp.attention import get_schedule
 
         left, right = (window[0], 0 if causal else window[1])
-        ex = get_exchange(lq, lk, cu, S, causal, left, right, group.group_name)
-        report.append((err, ex.grad_runs is None))  # which dK/dV reduction path ran
+        sch = get_schedule(lq, lk, cu, S, causal, left, right, group.group_name)
+        report.append((err, (sch.kv_traffic, sch.q_traffic)))  # which exchange paths ran
     return report
 
 

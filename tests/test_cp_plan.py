@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import doc_packed as dp
 from conftest import random_lengths
-from doc_packed.cp.exchange import build_exchange
+from doc_packed.cp.schedule import build_schedule
 from doc_packed.layout import lognormal_lengths
 from oracle import dense_mask
 
@@ -36,7 +36,7 @@ def independent_check(cu, S, c, causal, window, plan):
         assert plan.work[r] == work
         assert plan.kv_recv_tokens[r] == len(recv)  # each needed key once, nothing else
         assert plan.q_moved_tokens[r] == moved
-        ex = build_exchange(plan, r, torch.device("cpu"))
+        ex = build_schedule(plan, r, torch.device("cpu"))
         assert sum(ex.kv_recv_splits) == len(recv)
         assert sum(ex.q_recv_splits) == moved
     assert bool((covered == 1).all()), "every query computed exactly once"

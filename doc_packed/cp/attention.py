@@ -1,14 +1,19 @@
 """Context-parallel forward and backward over a process group (called by the custom ops).
 
-Forward: GroupCast the key/value rows each rank needs and the queries the plan moves, run the
-local kernel on contiguous per-segment buffers, send moved queries' outputs and lse back.
-Backward: the adjoint. It fetches K/V (and the moved queries, outputs, output gradients and
-lse) again rather than keeping them from the forward: the ops' saved tensors stay the local
-shards, so memory per layer does not grow with the received K/V (see docs/context_parallel.md
-for the measured trade); dQ goes back to its owners and partial dK/dV are summed into theirs
-(GroupReduce) in float32. When every key row is used by one kernel segment (the usual case),
-local gradients are taken straight from the kernel's output and only the rows that receive
-remote partials are summed.
+Each call runs this rank's :class:`~.schedule.RankSchedule` top to bottom:
+
+- **Forward.** Start the K/V exchange (and, when the plan moves queries, the query exchange);
+  run stage A (own queries x own keys, on the local tensors in place) while they are in flight;
+  wait; run stage B (everything that reads a received buffer); merge stage B into stage A by
+  log-sum-exp on the rows it touches; send moved-in rows' output and lse back to their owners
+  in one message.
+- **Backward.** The adjoint, with the final output and lse: K/V (and moved rows' q, out, dout,
+  lse, one message) fetched again while stage A's backward runs; stage B's backward; dQ of
+  moved rows and partial dK/dV of received keys go back to their owners, who add them in
+  float32. Fetching again instead of keeping the forward's buffers keeps the ops' saved tensors
+  the local shards (docs/context_parallel.md has the measured trade).
+
+Collectives per call: forward 1 (K/V) plus 2 when queries move; backward 2 plus 2.
 """
 
 from __future__ import annotations
@@ -18,17 +23,17 @@ import torch
 from .. import kernels
 from .._doc_layout import get_layout
 from . import comm
-from .exchange import RankExchange, assemble, assemble_or_zeros, build_exchange
 from .plan import build_plan, owner_range
+from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 
-__all__ = ["backward", "forward", "get_exchange"]
+__all__ = ["backward", "forward", "get_schedule"]
 
 # Allowed work imbalance over the mean. Plans weigh moving one query against fetching one
 # key/value row by their sizes per token (q/out and gradients: H_q * D; k/v: H_kv * D).
 TOLERANCE = 0.01
 
 
-def get_exchange(
+def get_schedule(
     q: torch.Tensor,
     k: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -37,8 +42,8 @@ def get_exchange(
     left: int,
     right: int,
     group_name: str,
-) -> RankExchange:
-    """This rank's exchange for the layout, built and cross-checked once per layout.
+) -> RankSchedule:
+    """This rank's schedule for the layout, built and cross-checked once per layout.
 
     Building is collective: every rank validates its inputs, then all ranks compare a
     fingerprint of them (one all-gather) before any data moves, so a bad or mismatched input on
@@ -47,7 +52,7 @@ def get_exchange(
     rank, size = comm.group_info(group_name)
     B, local_len, Hq, D = q.shape
     Hkv = k.shape[2]
-    key = ("cp_exchange", group_name, rank, causal, left, right, Hq, Hkv, q.device)
+    key = ("cp_schedule", group_name, rank, causal, left, right, Hq, Hkv, q.device)
     error, layout = None, None
     start, end = owner_range(seq_len, size, rank)
     try:
@@ -89,127 +94,228 @@ def get_exchange(
         ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
         lambda: build_plan(layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE),
     )
-    return layout.derived(key, lambda: build_exchange(plan, rank, q.device))
+    return layout.derived(key, lambda: build_schedule(plan, rank, q.device))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _cast(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The rows the plan moves here (only the moved rows travel)."""
-    if not ex.q_traffic:
-        return rows[:0]
-    return comm.group_cast(rows, ex.q_send_index, ex.q_send_splits, ex.q_recv_splits, group_name)
+# ----------------------------------------------------------------------------- data movement
 
 
-def _return_rows(ex: RankExchange, rows: torch.Tensor, group_name: str) -> torch.Tensor:
-    """This rank's rows from kernel rows: rows computed for other owners travel back first."""
-    back = rows[:0]
-    if ex.q_traffic:
-        back = comm.all_to_all(rows.index_select(0, ex.return_index), ex.q_recv_splits, ex.q_send_splits, group_name)
-    return assemble(ex.out_runs, rows, back)
+def _start_kv(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor, group: str):
+    """K|V rows peers need, as ``[n, 2, H_kv, D]``, issued; None when nothing moves."""
+    if not sch.kv_traffic:
+        return None
+    send = torch.stack([kf.index_select(0, sch.kv_send_index), vf.index_select(0, sch.kv_send_index)], 1)
+    return comm.start_all_to_all(send, sch.kv_send_splits, sch.kv_recv_splits, group)
 
 
-def _kv_buffers(ex: RankExchange, kf: torch.Tensor, vf: torch.Tensor, group_name: str):
-    D = kf.shape[-1]
-    got = kf.new_empty((0, kf.shape[1], 2 * D))
-    if ex.kv_traffic:
-        send = torch.cat([kf.index_select(0, ex.kv_send_index), vf.index_select(0, ex.kv_send_index)], -1)
-        got = comm.all_to_all(send, ex.kv_send_splits, ex.kv_recv_splits, group_name)
-    return assemble(ex.k_runs, kf, got[..., :D]), assemble(ex.k_runs, vf, got[..., D:])
+def _landed_kv(pending, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received keys and values, where they landed (views of one buffer)."""
+    if pending is None:
+        empty = like[:0]
+        return empty, empty
+    kv = comm.wait(pending)
+    return kv[:, 0], kv[:, 1]
 
 
-def _reduce_kv_grads(ex: RankExchange, dk_buf, dv_buf, T: int, group_name: str):
-    """dK, dV of this rank's rows: its kernel's partial gradients plus those other ranks computed
-    for its rows (GroupReduce). Sums run in float32 (float64 for float64 inputs)."""
-    D = dk_buf.shape[-1]
-    acc = kernels.lse_dtype(dk_buf.dtype)
-    if ex.grad_runs is not None:  # each key row used at most once here: no accumulation buffer
-        local_runs, recv_runs = ex.grad_runs
-        dk, dv = assemble_or_zeros(local_runs, dk_buf), assemble_or_zeros(local_runs, dv_buf)
-        if not ex.kv_traffic:
-            return dk, dv
-        partial = torch.cat([assemble_or_zeros(recv_runs, dk_buf), assemble_or_zeros(recv_runs, dv_buf)], -1)
-        back = comm.all_to_all(partial, ex.kv_recv_splits, ex.kv_send_splits, group_name)
-        rows = ex.kv_reduce_rows
-        total = torch.cat([dk.index_select(0, rows), dv.index_select(0, rows)], -1).to(acc)
-        total.index_add_(0, ex.kv_reduce_slot, back.to(acc))
-        total = total.to(dk_buf.dtype)
-        dk, dv = dk.index_copy(0, rows, total[..., :D]), dv.index_copy(0, rows, total[..., D:])
-        return dk, dv
-    n_src = T + (sum(ex.kv_recv_splits) if ex.kv_traffic else 0)
-    dkv = torch.zeros(n_src, dk_buf.shape[1], 2 * D, dtype=acc, device=dk_buf.device)
-    dkv[..., :D].index_add_(0, ex.k_index, dk_buf.to(acc))
-    dkv[..., D:].index_add_(0, ex.k_index, dv_buf.to(acc))
-    if ex.kv_traffic:
-        comm.group_reduce(
-            dkv[:T], dkv[T:].to(dk_buf.dtype), ex.kv_send_index, ex.kv_send_splits, ex.kv_recv_splits, group_name
+def _pack(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Rows of several tensors side by side in one ``dtype`` message (bit views, no casts)."""
+    return torch.cat([p.reshape(p.shape[0], _width(p)).contiguous().view(dtype) for p in parts], 1)
+
+
+def _width(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _unpack(msg: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    out, col = [], 0
+    for shape, dtype in shapes:
+        width = torch.Size(shape).numel() * dtype.itemsize // msg.dtype.itemsize
+        out.append(msg[:, col : col + width].contiguous().view(dtype).view(msg.shape[0], *shape))
+        col += width
+    return out
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+class _Rows:
+    """Output and lse of one query buffer, merged by log-sum-exp over the calls that touch it."""
+
+    def __init__(self, n: int, Hq: int, D: int, dtype: torch.dtype, device: torch.device):
+        self.n, self.shape, self.dtype, self.device = n, (Hq, D), dtype, device
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None  # [H_q, n]
+
+    def _init(self):
+        acc = kernels.lse_dtype(self.dtype)
+        self.out = torch.zeros((self.n, *self.shape), dtype=self.dtype, device=self.device)
+        self.lse = torch.full((self.shape[0], self.n), float("-inf"), dtype=acc, device=self.device)
+
+    def write(self, call: Call, o: torch.Tensor, l: torch.Tensor, first: bool) -> None:
+        """``first``: no earlier call touched these rows (stage A): copy; else merge."""
+        if self.out is None and first and call.q0 == 0 and call.q1 == self.n:
+            # the first call spans every row (rows it does not compute hold out 0, lse -inf):
+            # use its buffers as they are
+            self.out, self.lse = o, l
+            return
+        if self.out is None:
+            self._init()
+        assert self.out is not None and self.lse is not None
+        rows = call.rows + call.q0
+        o_new, l_new = o.index_select(0, call.rows), l.index_select(1, call.rows)
+        if first:
+            self.out.index_copy_(0, rows, o_new)
+            self.lse.index_copy_(1, rows, l_new)
+            return
+        acc = kernels.lse_dtype(self.dtype)
+        o_old, l_old = self.out.index_select(0, rows).to(acc), self.lse.index_select(1, rows)
+        m = torch.maximum(l_old, l_new)
+        m = m.masked_fill(m == float("-inf"), 0.0)
+        w_old, w_new = torch.exp(l_old - m), torch.exp(l_new - m)
+        total = w_old + w_new
+        lse = m + torch.log(total)  # -inf where neither saw a key
+        scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        merged = (o_old * (w_old * scale).t()[..., None]) + (o_new.to(acc) * (w_new * scale).t()[..., None])
+        self.out.index_copy_(0, rows, merged.to(self.dtype))
+        self.lse.index_copy_(1, rows, lse)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out is None:
+            self._init()
+        assert self.out is not None and self.lse is not None
+        return self.out, self.lse
+
+
+class _Grad:
+    """Gradient rows of one buffer, summed over the calls that touch them (float32 adds)."""
+
+    def __init__(self, n: int, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.n, self.tail, self.dtype, self.device = n, tail, dtype, device
+        self.t: torch.Tensor | None = None
+
+    def add(self, r0: int, part: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Add ``part`` (rows ``r0 ..``; only ``rows`` of it, relative, when given)."""
+        if self.t is None and r0 == 0 and part.shape[0] == self.n:
+            self.t = part.to(self.dtype)  # rows a call does not compute hold exact zeros
+            return
+        if self.t is None:
+            self.t = torch.zeros((self.n, *self.tail), dtype=self.dtype, device=self.device)
+        if rows is None:
+            rows = torch.arange(part.shape[0], device=part.device)
+        index = rows + r0
+        acc = kernels.lse_dtype(self.dtype)
+        total = self.t.index_select(0, index).to(acc) + part.index_select(0, rows).to(acc)
+        self.t.index_copy_(0, index, total.to(self.dtype))
+
+    def result(self) -> torch.Tensor:
+        if self.t is None:
+            return torch.zeros((self.n, *self.tail), dtype=self.dtype, device=self.device)
+        return self.t
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first: bool) -> None:
+    for call in calls:
+        k, v = kvs[call.k_buf]
+        o, l = kernels.forward(
+            call.spec, qs[call.q_buf][call.q0 : call.q1], k[call.k0 : call.k1], v[call.k0 : call.k1], scale, backend
         )
-    dkv = dkv[:T].to(dk_buf.dtype)
-    return dkv[..., :D].contiguous(), dkv[..., D:].contiguous()
+        rows[call.q_buf].write(call, o, l, first)
 
 
 def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
-    ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
     B, L, Hq, D = q.shape
-    k_buf, v_buf = _kv_buffers(ex, _flat(k), _flat(v), group_name)
-    qf = _flat(q)
-    q_buf = assemble(ex.q_runs, qf, _cast(ex, qf, group_name))
-    outs, lses = [], []
-    for call in ex.calls:
-        o, l = kernels.forward(
-            call.spec, q_buf[call.q0 : call.q1], k_buf[call.k0 : call.k1], v_buf[call.k0 : call.k1], scale, backend
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    kv_pending = _start_kv(sch, kf, vf, group_name)
+    q_pending = None
+    if sch.q_traffic:
+        q_pending = comm.start_all_to_all(
+            qf.index_select(0, sch.q_send_index), sch.q_send_splits, sch.q_recv_splits, group_name
         )
-        outs.append(o)
-        lses.append(l.t())
-    out_buf = torch.cat(outs) if len(outs) != 1 else outs[0]
-    lse_buf = (torch.cat(lses) if len(lses) != 1 else lses[0]).contiguous()
-    if not outs:
-        out_buf, lse_buf = q.new_empty((0, Hq, D)), q.new_empty((0, Hq), dtype=kernels.lse_dtype(q.dtype))
-    out = _return_rows(ex, out_buf, group_name).reshape(B, L, Hq, D)
-    lse = _return_rows(ex, lse_buf, group_name).reshape(B, L, Hq)
-    return out.contiguous(), lse.permute(0, 2, 1).contiguous()
+    n_moved = sum(sch.q_recv_splits)
+    rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
+    kvs = {LOCAL: (kf, vf)}
+    # stage A: own queries x own keys while the exchange is in flight
+    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, first=True)
+    # stage B: everything that reads a received buffer
+    kvs[RECV] = _landed_kv(kv_pending, kf)
+    q_recv = comm.wait(q_pending) if q_pending is not None else qf[:0]
+    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, first=False)
+    out, lse = rows[LOCAL].result()
+    if sch.q_traffic:  # moved-in rows' output and lse go home in one message
+        o_moved, l_moved = rows[RECV].result()
+        msg = comm.all_to_all(_pack([o_moved, l_moved.t()], q.dtype), sch.q_recv_splits, sch.q_send_splits, group_name)
+        o_home, l_home = _unpack(msg, [((Hq, D), q.dtype), ((Hq,), lse.dtype)])
+        out = out.index_copy(0, sch.q_send_index, o_home)
+        lse = lse.index_copy(1, sch.q_send_index, l_home.t())
+    return out.reshape(B, L, Hq, D).contiguous(), lse.reshape(Hq, B, L).transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------- backward
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
-    ex = get_exchange(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]
-    kf, vf = _flat(k), _flat(v)
-    k_buf, v_buf = _kv_buffers(ex, kf, vf, group_name)
-    qf, of, dof = _flat(q), _flat(out.contiguous()), _flat(dout.contiguous())
-    # moved queries travel with their outputs and output gradients in one message
-    got = qf.new_empty((0, 3, Hq, D))
-    if ex.q_traffic:
-        idx = ex.q_send_index
-        moved = torch.stack([qf.index_select(0, idx), of.index_select(0, idx), dof.index_select(0, idx)], 1)
-        got = comm.all_to_all(moved, ex.q_send_splits, ex.q_recv_splits, group_name)
-    q_buf, o_buf, do_buf = (assemble(ex.q_runs, x, got[:, i]) for i, x in enumerate((qf, of, dof)))
-    lse_rows = lse.permute(0, 2, 1).reshape(B * L, Hq)
-    lse_buf = assemble(ex.q_runs, lse_rows, _cast(ex, lse_rows, group_name))
-    dqs, dks, dvs = [], [], []
-    for call in ex.calls:
-        qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        dq, dk, dv = kernels.backward(
-            call.spec,
-            do_buf[qs].contiguous(),
-            q_buf[qs].contiguous(),
-            k_buf[ks],
-            v_buf[ks],
-            o_buf[qs].contiguous(),
-            lse_buf[qs].t().contiguous(),
-            scale,
-            backend,
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    of, dof = _flat(out.contiguous()), _flat(dout.contiguous())
+    lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
+    kv_pending = _start_kv(sch, kf, vf, group_name)
+    q_pending = None
+    if sch.q_traffic:  # moved rows travel with their output, output gradient and lse
+        idx = sch.q_send_index
+        msg = _pack(
+            [qf.index_select(0, idx), of.index_select(0, idx), dof.index_select(0, idx), lse_rows[:, idx].t()], q.dtype
         )
-        dqs.append(dq)
-        dks.append(dk)
-        dvs.append(dv)
-    dq_buf = torch.cat(dqs) if len(dqs) != 1 else dqs[0]
-    if not dqs:
-        dq_buf = q.new_empty((0, Hq, D))
-    dq = _return_rows(ex, dq_buf, group_name).reshape(q.shape).contiguous()
-    dk_buf = torch.cat(dks) if len(dks) != 1 else (dks[0] if dks else k.new_empty((0, Hkv, D)))
-    dv_buf = torch.cat(dvs) if len(dvs) != 1 else (dvs[0] if dvs else v.new_empty((0, Hkv, D)))
-    dk, dv = _reduce_kv_grads(ex, dk_buf, dv_buf, kf.shape[0], group_name)
-    return dq, dk.reshape(k.shape).contiguous(), dv.reshape(v.shape).contiguous()
+        q_pending = comm.start_all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group_name)
+    n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
+    dq = {LOCAL: _Grad(sch.local_rows, (Hq, D), q.dtype, q.device), RECV: _Grad(n_moved, (Hq, D), q.dtype, q.device)}
+    dk = {LOCAL: _Grad(sch.local_rows, (Hkv, D), k.dtype, k.device), RECV: _Grad(n_kv, (Hkv, D), k.dtype, k.device)}
+    dv = {LOCAL: _Grad(sch.local_rows, (Hkv, D), v.dtype, v.device), RECV: _Grad(n_kv, (Hkv, D), v.dtype, v.device)}
+    saved = {LOCAL: (qf, of, dof, lse_rows)}
+    kvs = {LOCAL: (kf, vf)}
+
+    def run(calls):
+        for call in calls:
+            qb, ob, dob, lb = saved[call.q_buf]
+            kb, vb = kvs[call.k_buf]
+            qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
+            g_q, g_k, g_v = kernels.backward(
+                call.spec, dob[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), scale, backend
+            )
+            dq[call.q_buf].add(call.q0, g_q, call.rows)
+            dk[call.k_buf].add(call.k0, g_k)
+            dv[call.k_buf].add(call.k0, g_v)
+
+    run(sch.stage_a)
+    kvs[RECV] = _landed_kv(kv_pending, kf)
+    if q_pending is not None:
+        q_m, o_m, do_m, l_m = _unpack(comm.wait(q_pending), [((Hq, D), q.dtype)] * 3 + [((Hq,), lse.dtype)])
+        saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
+    run(sch.stage_b)
+    dq_local = dq[LOCAL].result()
+    dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
+    if sch.q_traffic:  # dQ of moved rows goes home
+        back = comm.all_to_all(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits, group_name)
+        dq_local = dq_local.index_copy(0, sch.q_send_index, back)
+    if sch.kv_traffic:  # partial dK|dV of received keys go home and are summed in float32
+        partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
+        back = comm.all_to_all(partial, sch.kv_recv_splits, sch.kv_send_splits, group_name)
+        acc = kernels.lse_dtype(k.dtype)
+        rows = sch.kv_reduce_rows
+        total = torch.stack([dk_local.index_select(0, rows), dv_local.index_select(0, rows)], 1).to(acc)
+        total.index_add_(0, sch.kv_reduce_slot, back.to(acc))
+        dk_local = dk_local.index_copy(0, rows, total[:, 0].to(k.dtype))
+        dv_local = dv_local.index_copy(0, rows, total[:, 1].to(v.dtype))
+    return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -1,8 +1,7 @@
 """Communication primitives of the context-parallel exchange, on torch's functional collectives.
 
-- :func:`group_cast`: each rank sends every peer the rows it needs (an AllToAll-V over
-  ``all_to_all_single`` with per-peer split sizes, the send buffer gathered per destination).
-- :func:`group_reduce`: the adjoint: rows computed for other owners go back and are summed in.
+- :func:`start_all_to_all` / :func:`wait`: an AllToAll-V over ``all_to_all_single`` with
+  per-peer split sizes, issued so that compute runs while it is in flight.
 - :func:`check_agreement`: one small all-gather proving every rank runs the same plan.
 
 Split sizes are host ints taken from the plan, so no collective here needs a host sync.
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from .. import _compat
 
-__all__ = ["all_to_all", "group_cast", "group_reduce", "check_agreement", "group_info"]
+__all__ = ["all_to_all", "check_agreement", "group_info", "start_all_to_all", "wait"]
 
 
 def group_info(group_name: str) -> tuple[int, int]:
@@ -32,29 +31,14 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     return _compat.all_to_all_single(x.contiguous(), recv_splits, send_splits, group_name)
 
 
-def group_cast(
-    src: torch.Tensor, send_index: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str
-) -> torch.Tensor:
-    """Send ``src[send_index]`` (grouped by destination) and return what peers sent here."""
-    return all_to_all(src.index_select(0, send_index), send_splits, recv_splits, group_name)
+def start_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str) -> torch.Tensor:
+    """Issue an AllToAll-V along dim 0 and return at once; :func:`wait` before reading the result."""
+    return _compat.all_to_all_single_async(x.contiguous(), recv_splits, send_splits, group_name)
 
 
-def group_reduce(
-    dst: torch.Tensor,
-    partial: torch.Tensor,
-    reduce_index: torch.Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
-    group_name: str,
-) -> torch.Tensor:
-    """Return ``partial`` rows to the ranks that cast them and add them into ``dst[reduce_index]``.
-
-    ``send_splits``/``recv_splits`` are those of the matching :func:`group_cast` (the reverse
-    direction is taken here). ``partial`` travels in its own dtype and is summed in ``dst``'s
-    (float32 accumulation for half-precision gradients). ``dst`` is updated in place.
-    """
-    back = all_to_all(partial, recv_splits, send_splits, group_name)
-    return dst.index_add_(0, reduce_index, back.to(dst.dtype))
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The landed result of :func:`start_all_to_all`."""
+    return _compat.wait_tensor(x)
 
 
 def fingerprint(*parts: object) -> torch.Tensor:

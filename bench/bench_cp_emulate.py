@@ -1,0 +1,280 @@
+"""Context parallelism on one GPU: every rank's per-layer work, with the collectives emulated.
+
+Timing (default): for each rank ``r`` of ``c``, the rank's attention forward + backward runs
+exactly as it would in a group (same plan, schedule, kernel calls, copies and merges), with each
+collective replaced by a local copy of the same number of bytes into a fresh receive buffer
+(random values: the timing of these kernels does not depend on them). Per rank: ms and, for the
+slowest rank, a profiler split into attention kernels / copies+indexing / other. Anchor, in the
+same run: the one-GPU op on the whole row (``backend="auto"``). Compute-side per-GPU efficiency =
+one-GPU time / (c x slowest rank).
+
+``--check``: all ``c`` ranks run as threads on the one GPU with a loopback all-to-all carrying
+the real rows, and their outputs and gradients are compared with the one-GPU op (bf16;
+relative error <= 1e-2 for out, <= 2e-2 for gradients, as tests/test_gpu.py).
+
+``--impl DIR`` imports ``doc_packed`` from ``DIR`` (e.g. an older checkout, for a before/after).
+
+    python bench/bench_cp_emulate.py --seq 131072 262144 --cp 2 4 8 --json out.json
+    python bench/bench_cp_emulate.py --check --seq 16384 --cp 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+
+
+def _args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, nargs="+", default=[131072, 262144])
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--layouts", nargs="+", default=["one doc", "lognormal 2k", "lognormal 512"])
+    p.add_argument("--heads", type=int, nargs=2, default=[32, 8])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--max-one-doc", type=int, default=262144, help="skip one-document rows longer than this")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--impl", default=None)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.impl:
+    sys.path.insert(0, ARGS.impl)
+
+import torch  # noqa: E402
+
+import doc_packed as dp  # noqa: E402
+from doc_packed import kernels  # noqa: E402
+from doc_packed.cp import comm  # noqa: E402
+
+GROUP = "emulated"
+
+
+def _lengths(name: str, S: int) -> list[int]:
+    if name == "one doc":
+        return [S]
+    mean = int(name.split()[1].replace("k", "000").replace("2000", "2048"))
+    return dp.lognormal_lengths(S, mean, seed=S)
+
+
+# ----------------------------------------------------------------------------- comm stand-ins
+
+
+class _CopyComm:
+    """Rank ``rank`` of ``size``: every all-to-all returns a copy of as many bytes as it would receive."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.bytes = rank, size, 0
+        self.stage: dict = {}
+
+    def _src(self, dtype, numel, device):
+        buf = self.stage.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.randn(max(numel, 1), device=device).to(dtype) if dtype.is_floating_point else torch.zeros(
+                max(numel, 1), device=device, dtype=dtype
+            )
+            self.stage[dtype] = buf
+        return buf
+
+    def all_to_all(self, x, send_splits, recv_splits, group):
+        n = sum(recv_splits)
+        shape = (n, *x.shape[1:])
+        numel = torch.Size(shape).numel()
+        self.bytes += numel * x.element_size()
+        return self._src(x.dtype, numel, x.device)[:numel].view(shape).clone()
+
+
+class _Loopback:
+    """All ranks as threads of one process: an all-to-all that moves the real rows."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.box: dict = {}
+        self.local = threading.local()
+
+    def all_to_all(self, x, send_splits, recv_splits, group):
+        r, key = self.local.rank, self.local.count
+        self.local.count += 1
+        self.box[(key, r)] = x.contiguous().split(list(send_splits))
+        self.barrier.wait()
+        got = torch.cat([self.box[(key, s)][r] for s in range(self.size)])
+        self.barrier.wait()
+        return got
+
+
+def _install(impl) -> None:
+    """Point doc_packed.cp.comm's collectives at ``impl`` (either design's names)."""
+    comm.check_agreement = lambda *a, **k: None
+    if isinstance(impl, _Loopback):
+        comm.group_info = lambda name: (impl.local.rank, impl.size)
+    else:
+        comm.group_info = lambda name: (impl.rank, impl.size)
+    comm.all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
+    if hasattr(comm, "start_all_to_all"):
+        comm.start_all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
+        comm.wait = lambda x: x
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _problem(S, lengths, Hq, Hkv, D, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).cuda()
+    return q, k, v, dout, cu
+
+
+def _timed(fn, iters: int) -> float:
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _fwd_bwd(q, k, v, dout, cu, S, group):
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, q.shape[-1] ** -0.5, "auto", group)
+        torch.autograd.backward(out, dout)
+
+    return run
+
+
+_ATTN = re.compile(r"flash|fmha|attn|attention|cutlass|Sm90|Sm100", re.I)
+_COPY = re.compile(r"copy|cat|index|gather|scatter", re.I)
+
+
+def _split(run) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    out = {"attention_ms": 0.0, "copy_ms": 0.0, "other_ms": 0.0}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us <= 0:
+            continue
+        kind = "attention_ms" if _ATTN.search(e.key) else "copy_ms" if _COPY.search(e.key) else "other_ms"
+        out[kind] += us / 1e3
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def timing(S, layout, c, Hq, Hkv, D, iters) -> dict:
+    lengths = _lengths(layout, S)
+    q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
+    one = _timed(_fwd_bwd(q, k, v, dout, cu, S, None), iters)
+    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv)
+    ranks = []
+    for r in range(c):
+        emu = _CopyComm(r, c)
+        _install(emu)
+        chunk = lambda t: t.chunk(c, dim=1)[r].contiguous()  # noqa: E731
+        run = _fwd_bwd(chunk(q), chunk(k), chunk(v), chunk(dout), cu, S, GROUP)
+        run()
+        emu.bytes = 0
+        run()
+        recv = emu.bytes
+        ms = _timed(run, iters)
+        ranks.append({"rank": r, "ms": round(ms, 3), "recv_MB": round(recv / 2**20, 2), "_run": run})
+    slow = max(ranks, key=lambda x: x["ms"])
+    _install(_CopyComm(slow["rank"], c))
+    split = _split(slow.pop("_run"))
+    for x in ranks:
+        x.pop("_run", None)
+    spec_backend = kernels.choose("auto", kernels.VarlenSpec([0, 128], [0, 128], True, -1, 0), q[0, :128], Hkv)
+    return dict(
+        S=S, layout=layout, cp=c, docs=len(lengths), one_gpu_ms=round(one, 3), ranks=ranks,
+        slowest_ms=slow["ms"], efficiency=round(one / (c * slow["ms"]), 3), imbalance=round(plan.imbalance, 4),
+        slowest_split=split, cp_backend=spec_backend,
+    )
+
+
+def check(S, layout, c, Hq, Hkv, D) -> dict:
+    lengths = _lengths(layout, S)
+    q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D, seed=1)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    ref_out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, D**-0.5, "auto", None)
+    ref = (ref_out, *torch.autograd.grad(ref_out, (qq, kk, vv), dout))
+    lb = _Loopback(c)
+    _install(lb)
+    results: list = [None] * c
+    errors: list = []
+
+    def rank_main(r):
+        try:
+            lb.local.rank, lb.local.count = r, 0
+            # the ops called directly: autograd would run every rank's backward on its one
+            # device thread, where the loopback's barrier would deadlock
+            lq, lk, lv, ld = (t.chunk(c, dim=1)[r].contiguous() for t in (q, k, v, dout))
+            flags = (cu, S, True, -1, 0, D**-0.5, "auto", GROUP)
+            out, lse = torch.ops.doc_packed.attn_fwd(lq, lk, lv, *flags)
+            grads = torch.ops.doc_packed.attn_bwd(ld, lq, lk, lv, out, lse, *flags)
+            results[r] = (out, *grads)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+            lb.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        return dict(S=S, layout=layout, cp=c, error=errors[0])
+    got = [torch.cat([results[r][i] for r in range(c)], dim=1) for i in range(4)]
+    rel = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
+    ok = rel[0] <= 1e-2 and all(x <= 2e-2 for x in rel[1:])
+    return dict(S=S, layout=layout, cp=c, rel_out=rel[0], rel_dq=rel[1], rel_dk=rel[2], rel_dv=rel[3], ok=ok)
+
+
+def main():
+    Hq, Hkv = ARGS.heads
+    rows = []
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} doc_packed from {dp.__file__}")
+    print("backends:", {k: v for k, v in kernels.reasons(torch.empty(1, 1, 128, device='cuda', dtype=torch.bfloat16)).items()})
+    for S in ARGS.seq:
+        for layout in ARGS.layouts:
+            if layout == "one doc" and S > ARGS.max_one_doc:
+                continue
+            for c in ARGS.cp:
+                t0 = time.time()
+                row = check(S, layout, c, Hq, Hkv, ARGS.head_dim) if ARGS.check else timing(
+                    S, layout, c, Hq, Hkv, ARGS.head_dim, ARGS.iters
+                )
+                rows.append(row)
+                if ARGS.check:
+                    print(json.dumps(row), flush=True)
+                else:
+                    print(
+                        f"S={S:>7} {layout:<14} cp={c}  one GPU {row['one_gpu_ms']:9.2f} ms  slowest rank "
+                        f"{row['slowest_ms']:9.2f} ms  per-GPU efficiency {row['efficiency']:.3f}  imbalance "
+                        f"{row['imbalance']:.3f}  split {row['slowest_split']}  ({time.time() - t0:.0f} s)",
+                        flush=True,
+                    )
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""One rank's schedule for a context-parallel plan: what moves, and which kernel calls run where.
+
+Built once per (layout, group, mask) on the host, moved to the device once, reused by every
+layer. The per-layer path (:mod:`.attention`) runs it top to bottom:
+
+1. **Exchange** (asynchronous): K/V rows other ranks' queries need, and the queries the plan
+   moves. Received rows land in two buffers, ``kv`` and ``q``, grouped by source rank and in
+   position order inside each source, so a document's remote keys are one contiguous run (the
+   part from an earlier rank ends that rank's block, the part from a later rank starts its block,
+   and this rank's own block is empty).
+2. **Stage A**, while the exchange is in flight: this rank's own queries against its own keys,
+   on the local tensors in place.
+3. **Stage B**, once the data has landed: queries against received keys, and moved-in queries
+   against local keys; each call reads its buffers in place.
+4. **Merge** by log-sum-exp, only on the rows a stage B touches; moved-in rows go back to their
+   owners (one message: output and lse).
+
+Every kernel call is one varlen problem over a slice of a query buffer and a slice of a key
+buffer. Its segments are *pieces*: a run of queries and a run of keys of one document, each
+contiguous in its buffer and in position, so the document mask is a causal flag or a window in
+the kernels' bottom-right-aligned convention. Rows of the slices that a call does not use are
+covered by empty segments (queries with no keys give out 0 and lse -inf, which merging ignores).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import VarlenSpec
+from .plan import ContextParallelPlan, chunk_len
+
+__all__ = ["Call", "RankSchedule", "build_schedule"]
+
+LOCAL, RECV = "local", "recv"  # the two buffers a query or key row can sit in
+
+
+@dataclass(frozen=True)
+class _Piece:
+    q_buf: str
+    q0: int  # first row in its buffer
+    nq: int
+    q_pos: int  # position of the first query in its row
+    k_buf: str
+    k0: int
+    nk: int
+    k_pos: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: queries ``q_buf[q0:q1]`` against keys ``k_buf[k0:k1]`` under ``spec``;
+    ``rows`` (device, relative to ``q0``) are the query rows it really computes."""
+
+    q_buf: str
+    k_buf: str
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    spec: VarlenSpec
+    rows: torch.Tensor
+    n_rows: int
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    rank: int
+    local_rows: int  # B * L
+    # K/V exchange: send local rows kv_send_index, split by destination; receive kv_recv_splits
+    kv_send_index: torch.Tensor
+    kv_send_splits: list[int]
+    kv_recv_splits: list[int]
+    kv_reduce_rows: torch.Tensor  # distinct local rows whose partial dK/dV come back from peers
+    kv_reduce_slot: torch.Tensor  # for each row that comes back, its slot in kv_reduce_rows
+    # query exchange (only when the plan moves queries): send q_send_index; the same rows come
+    # back (output, lse, dq) in the reverse direction
+    q_send_index: torch.Tensor
+    q_send_splits: list[int]
+    q_recv_splits: list[int]
+    stage_a: tuple[Call, ...]  # local queries x local keys (overlaps the exchange)
+    stage_b: tuple[Call, ...]  # everything that reads a received buffer
+    kv_traffic: bool  # does any rank of the group receive K/V (same on every rank)
+    q_traffic: bool  # does any rank of the group move queries (same on every rank)
+
+    @property
+    def collectives(self) -> tuple[int, int]:
+        """Data-carrying collectives per (forward, backward) call."""
+        fwd = int(self.kv_traffic) + 2 * int(self.q_traffic)
+        return fwd, int(self.kv_traffic) * 2 + 2 * int(self.q_traffic)
+
+
+def _parts(b: int, s: int, e: int, cs: int, seq_len: int):
+    """Split positions ``[s, e)`` of row ``b`` at shard boundaries: ``(owner, s, e)``."""
+    while s < e:
+        o = s // cs
+        pe = min(e, (o + 1) * cs, seq_len)
+        yield o, s, pe
+        s = pe
+
+
+def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, right: int):
+    """Trim a (queries, keys) pair of one document to the rows that see something: returns
+    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key."""
+    q_end, k_end = q_pos + nq, k_pos + nk
+    hi_off = 0 if causal else (right if right >= 0 else None)  # key <= query + hi_off
+    lo_off = left if left >= 0 else None  # key >= query - lo_off
+    # keys some query can see
+    ks = k_pos if lo_off is None else max(k_pos, q_pos - lo_off)
+    ke = k_end if hi_off is None else min(k_end, q_end - 1 + hi_off + 1)
+    if ks >= ke:
+        return None
+    # queries that see some key of [ks, ke)
+    qs = q_pos if hi_off is None else max(q_pos, ks - hi_off)
+    qe = q_end if lo_off is None else min(q_end, ke - 1 + lo_off + 1)
+    if qs >= qe:
+        return None
+    return qs - q_pos, qe - qs, ks - k_pos, ke - ks
+
+
+def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, int, int]:
+    """(causal, left, right) for a piece in the kernels' bottom-right-aligned convention."""
+    shift = (p.q_pos + p.nq) - (p.k_pos + p.nk)  # key j <= query i + shift (causal) in index terms
+    if causal:
+        if p.k_pos + p.nk - 1 <= p.q_pos and (left < 0 or p.k_pos >= p.q_pos + p.nq - 1 - left):
+            return False, -1, -1  # every query sees every key
+        if shift == 0:
+            return True, left, 0
+        return False, (left - shift if left >= 0 else -1), shift
+    wl = left - shift if left >= 0 else -1
+    wr = right + shift if right >= 0 else -1
+    return False, wl, wr
+
+
+def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device) -> list[Call]:
+    """Group pieces into kernel calls: same buffers and mask; within a call queries and keys both
+    run forward without overlap."""
+    groups: dict[tuple, list[list[_Piece]]] = {}
+    for p in sorted(pieces, key=lambda p: (p.q_buf, p.k_buf, p.q0, p.k0)):
+        key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
+        for call in groups.setdefault(key, []):
+            last = call[-1]
+            if last.q0 + last.nq <= p.q0 and last.k0 + last.nk <= p.k0:
+                call.append(p)
+                break
+        else:
+            groups[key].append([p])
+    out = []
+    for (q_buf, k_buf, (c, wl, wr)), calls in groups.items():
+        for members in calls:
+            q0, k0 = members[0].q0, members[0].k0
+            q1, k1 = members[-1].q0 + members[-1].nq, members[-1].k0 + members[-1].nk
+            cu_q, cu_k, rows = [0], [0], []
+            for p in members:
+                # empty segments cover the gaps: queries without keys, then keys without queries
+                if p.q0 - q0 > cu_q[-1]:
+                    cu_q.append(p.q0 - q0)
+                    cu_k.append(cu_k[-1])
+                if p.k0 - k0 > cu_k[-1]:
+                    cu_q.append(cu_q[-1])
+                    cu_k.append(p.k0 - k0)
+                rows.append(torch.arange(p.q0 - q0, p.q0 - q0 + p.nq))
+                cu_q.append(cu_q[-1] + p.nq)
+                cu_k.append(cu_k[-1] + p.nk)
+            index = torch.cat(rows).to(device)
+            spec = VarlenSpec(cu_q, cu_k, c, wl, wr)
+            out.append(Call(q_buf, k_buf, q0, q1, k0, k1, spec, index, int(index.numel())))
+    return out
+
+
+def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
+    c, S = plan.cp_size, plan.seq_len
+    cs = chunk_len(S, c)
+    owners = plan.owners
+    my_start, my_end = owners[rank]
+    L = my_end - my_start
+    left, right = plan.window_size
+    causal = plan.causal
+
+    def local(b: int, s: int) -> int:
+        return b * L + s - my_start
+
+    # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
+    kv_send: list[int] = []
+    kv_send_splits = [0] * c
+    for t in range(c):
+        if t != rank:
+            for b, s0, e0 in plan.kv_ranges[t]:
+                for o, s, e in _parts(b, s0, e0, cs, S):
+                    if o == rank:
+                        kv_send.extend(range(local(b, s), local(b, e)))
+                        kv_send_splits[t] += e - s
+    kv_recv_splits = [0] * c
+    recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
+    for b, s0, e0 in plan.kv_ranges[rank]:
+        for o, s, e in _parts(b, s0, e0, cs, S):
+            if o != rank:
+                recv_parts[o].append((b, s, e))
+                kv_recv_splits[o] += e - s
+    remote: dict[int, list[tuple[int, int, int]]] = {}  # row -> sorted (s, e, first recv row)
+    pos = 0
+    for o in range(c):
+        for b, s, e in recv_parts[o]:
+            remote.setdefault(b, []).append((s, e, pos))
+            pos += e - s
+    for runs in remote.values():
+        runs.sort()
+    starts = {b: [r[0] for r in runs] for b, runs in remote.items()}
+
+    def recv_row(b: int, s: int, e: int) -> int:
+        j = bisect_right(starts[b], s) - 1
+        rs, re_, r0 = remote[b][j]
+        assert rs <= s and e <= re_, "key range not covered by the plan's kv_ranges"
+        return r0 + s - rs
+
+    # ---- queries: what this rank sends (its rows other ranks compute) and receives
+    q_send: list[int] = []
+    q_send_splits = [0] * c
+    for t in range(c):
+        if t != rank:
+            for seg in plan.segments[t]:
+                for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
+                    if o == rank:
+                        q_send.extend(range(local(seg.batch, s), local(seg.batch, e)))
+                        q_send_splits[t] += e - s
+    q_recv_splits = [0] * c
+    q_parts: list[tuple[int, int, int, int, int]] = []  # (segment, owner, s, e, recv offset in owner block)
+    for i, seg in enumerate(plan.segments[rank]):
+        for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
+            if o != rank:
+                q_parts.append((i, o, s, e, q_recv_splits[o]))
+                q_recv_splits[o] += e - s
+    q_base = [sum(q_recv_splits[:o]) for o in range(c)]
+    moved_in = {(i, s): q_base[o] + off for i, o, s, e, off in q_parts}
+
+    # ---- pieces: (query part, key part) of each segment, each contiguous in its buffer
+    pieces: list[_Piece] = []
+    for i, seg in enumerate(plan.segments[rank]):
+        b = seg.batch
+        q_runs = []
+        for o, s, e in _parts(b, seg.start, seg.end, cs, S):
+            q_runs.append((LOCAL, local(b, s), s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
+        k_runs: list[tuple[str, int, int, int]] = []  # (buffer, first row, s, e), merged when contiguous
+        for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
+            buf, row = (LOCAL, local(b, s)) if o == rank else (RECV, recv_row(b, s, e))
+            if (
+                k_runs
+                and k_runs[-1][0] == buf
+                and k_runs[-1][3] == s
+                and k_runs[-1][1] + k_runs[-1][3] - k_runs[-1][2] == row
+            ):
+                k_runs[-1] = (buf, k_runs[-1][1], k_runs[-1][2], e)
+            else:
+                k_runs.append((buf, row, s, e))
+        for qb, qr, qs, qe in q_runs:
+            for kb, kr, ks, ke in k_runs:
+                vis = _visible(qs, qe - qs, ks, ke - ks, causal, left, right)
+                if vis is not None:
+                    dq0, nq, dk0, nk = vis
+                    pieces.append(_Piece(qb, qr + dq0, nq, qs + dq0, kb, kr + dk0, nk, ks + dk0))
+
+    stage_a = [p for p in pieces if p.q_buf == LOCAL and p.k_buf == LOCAL]
+    stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
+
+    def index(rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64).to(device)
+
+    reduce_rows, reduce_slot = torch.unique(torch.tensor(kv_send, dtype=torch.int64), return_inverse=True)
+
+    return RankSchedule(
+        rank=rank,
+        local_rows=plan.batch * L,
+        kv_send_index=index(kv_send),
+        kv_send_splits=kv_send_splits,
+        kv_recv_splits=kv_recv_splits,
+        kv_reduce_rows=reduce_rows.to(device),
+        kv_reduce_slot=reduce_slot.to(device),
+        q_send_index=index(q_send),
+        q_send_splits=q_send_splits,
+        q_recv_splits=q_recv_splits,
+        stage_a=tuple(_calls(stage_a, causal, left, right, device)),
+        stage_b=tuple(_calls(stage_b, causal, left, right, device)),
+        kv_traffic=sum(plan.kv_recv_tokens) > 0,
+        q_traffic=sum(plan.q_moved_tokens) > 0,
+    )
