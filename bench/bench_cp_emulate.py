@@ -91,21 +91,32 @@ class _CopyComm:
 
 
 class _Loopback:
-    """All ranks as threads of one process: an all-to-all that moves the real rows."""
+    """All ranks as threads of one process: an all-to-all that moves the real rows. One rank
+    runs at a time (``turn``, released only while waiting for peers): kernel JIT caches need not
+    be thread-safe, and the ranks' work is not timed here."""
 
     def __init__(self, size: int):
         self.size = size
         self.barrier = threading.Barrier(size)
         self.box: dict = {}
         self.local = threading.local()
+        self.turn = threading.Lock()
 
     def all_to_all(self, x, send_splits, recv_splits, group):
         r, key = self.local.rank, self.local.count
         self.local.count += 1
         self.box[(key, r)] = x.contiguous().split(list(send_splits))
-        self.barrier.wait()
+        self.turn.release()
+        try:
+            self.barrier.wait()
+        finally:
+            self.turn.acquire()
         got = torch.cat([self.box[(key, s)][r] for s in range(self.size)])
-        self.barrier.wait()
+        self.turn.release()
+        try:
+            self.barrier.wait()
+        finally:
+            self.turn.acquire()
         return got
 
 
@@ -221,6 +232,7 @@ def check(S, layout, c, Hq, Hkv, D) -> dict:
     errors: list = []
 
     def rank_main(r):
+        lb.turn.acquire()
         try:
             lb.local.rank, lb.local.count = r, 0
             # the ops called directly: autograd would run every rank's backward on its one
@@ -231,8 +243,12 @@ def check(S, layout, c, Hq, Hkv, D) -> dict:
             grads = torch.ops.doc_packed.attn_bwd(ld, lq, lk, lv, out, lse, *flags)
             results[r] = (out, *grads)
         except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+            import traceback
+
+            errors.append(f"rank {r}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
             lb.barrier.abort()
+        finally:
+            lb.turn.release()
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(c)]
     for t in threads:
