@@ -38,6 +38,7 @@ def _args():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--max-one-doc", type=int, default=262144, help="skip one-document rows longer than this")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="also list the slowest rank's N most expensive kernels")
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -180,14 +181,18 @@ def _split(run) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    out = {"attention_ms": 0.0, "copy_ms": 0.0, "other_ms": 0.0}
+    out: dict = {"attention_ms": 0.0, "copy_ms": 0.0, "other_ms": 0.0}
+    top = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if us <= 0:
             continue
         kind = "attention_ms" if _ATTN.search(e.key) else "copy_ms" if _COPY.search(e.key) else "other_ms"
         out[kind] += us / 1e3
-    return {k: round(v, 3) for k, v in out.items()}
+        top.append((round(us / 1e3, 3), e.count, e.key[:80]))
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["top"] = sorted(top, reverse=True)[: ARGS.top]
+    return out
 
 
 def timing(S, layout, c, Hq, Hkv, D, iters) -> dict:
@@ -284,9 +289,12 @@ def main():
                     print(
                         f"S={S:>7} {layout:<14} cp={c}  one GPU {row['one_gpu_ms']:9.2f} ms  slowest rank "
                         f"{row['slowest_ms']:9.2f} ms  per-GPU efficiency {row['efficiency']:.3f}  imbalance "
-                        f"{row['imbalance']:.3f}  split {row['slowest_split']}  ({time.time() - t0:.0f} s)",
+                        f"{row['imbalance']:.3f}  split {({k: v for k, v in row['slowest_split'].items() if k != 'top'})}"
+                        f"  ({time.time() - t0:.0f} s)",
                         flush=True,
                     )
+                    for t in row["slowest_split"].get("top", []):
+                        print("      ", t)
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
