@@ -256,8 +256,8 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
         o_moved, l_moved = rows[RECV].result()
         msg = comm.all_to_all(_pack([o_moved, l_moved.t()], q.dtype), sch.q_recv_splits, sch.q_send_splits, group_name)
         o_home, l_home = _unpack(msg, [((Hq, D), q.dtype), ((Hq,), lse.dtype)])
-        out = out.index_copy(0, sch.q_send_index, o_home)
-        lse = lse.index_copy(1, sch.q_send_index, l_home.t())
+        out.index_copy_(0, sch.q_send_index, o_home)
+        lse.index_copy_(1, sch.q_send_index, l_home.t())
     return out.reshape(B, L, Hq, D).contiguous(), lse.reshape(Hq, B, L).transpose(0, 1).contiguous()
 
 
@@ -295,8 +295,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
                 call.spec, dob[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), scale, backend
             )
             dq[call.q_buf].add(call.q0, g_q, call.rows)
-            dk[call.k_buf].add(call.k0, g_k)
-            dv[call.k_buf].add(call.k0, g_v)
+            dk[call.k_buf].add(call.k0, g_k, call.k_rows)
+            dv[call.k_buf].add(call.k0, g_v, call.k_rows)
 
     run(sch.stage_a)
     kvs[RECV] = _landed_kv(kv_pending, kf)
@@ -308,7 +308,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
     if sch.q_traffic:  # dQ of moved rows goes home
         back = comm.all_to_all(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits, group_name)
-        dq_local = dq_local.index_copy(0, sch.q_send_index, back)
+        dq_local.index_copy_(0, sch.q_send_index, back)
     if sch.kv_traffic:  # partial dK|dV of received keys go home and are summed in float32
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
         back = comm.all_to_all(partial, sch.kv_recv_splits, sch.kv_send_splits, group_name)
@@ -316,6 +316,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
         rows = sch.kv_reduce_rows
         total = torch.stack([dk_local.index_select(0, rows), dv_local.index_select(0, rows)], 1).to(acc)
         total.index_add_(0, sch.kv_reduce_slot, back.to(acc))
-        dk_local = dk_local.index_copy(0, rows, total[:, 0].to(k.dtype))
-        dv_local = dv_local.index_copy(0, rows, total[:, 1].to(v.dtype))
+        dk_local.index_copy_(0, rows, total[:, 0].to(k.dtype))
+        dv_local.index_copy_(0, rows, total[:, 1].to(v.dtype))
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -63,6 +63,7 @@ class Call:
     spec: VarlenSpec
     rows: torch.Tensor
     n_rows: int
+    k_rows: torch.Tensor  # key rows (relative to ``k0``) some query of the call sees
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,10 @@ def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, 
     return False, wl, wr
 
 
-def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device) -> list[Call]:
+def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device, span: int | None = None) -> list[Call]:
     """Group pieces into kernel calls: same buffers and mask; within a call queries and keys both
-    run forward without overlap."""
+    run forward without overlap. ``span``: every call covers rows ``[0, span)`` of both buffers
+    (stage A on the local tensors: the first call's outputs then serve as the result buffers)."""
     groups: dict[tuple, list[list[_Piece]]] = {}
     for p in sorted(pieces, key=lambda p: (p.q_buf, p.k_buf, p.q0, p.k0)):
         key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
@@ -152,7 +154,9 @@ def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device) ->
         for members in calls:
             q0, k0 = members[0].q0, members[0].k0
             q1, k1 = members[-1].q0 + members[-1].nq, members[-1].k0 + members[-1].nk
-            cu_q, cu_k, rows = [0], [0], []
+            if span is not None:
+                q0, k0, q1, k1 = 0, 0, span, span
+            cu_q, cu_k, rows, k_rows = [0], [0], [], []
             for p in members:
                 # empty segments cover the gaps: queries without keys, then keys without queries
                 if p.q0 - q0 > cu_q[-1]:
@@ -162,11 +166,19 @@ def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device) ->
                     cu_q.append(cu_q[-1])
                     cu_k.append(p.k0 - k0)
                 rows.append(torch.arange(p.q0 - q0, p.q0 - q0 + p.nq))
+                k_rows.append(torch.arange(p.k0 - k0, p.k0 - k0 + p.nk))
                 cu_q.append(cu_q[-1] + p.nq)
                 cu_k.append(cu_k[-1] + p.nk)
+            if cu_q[-1] < q1 - q0:  # trailing rows: queries without keys, keys without queries
+                cu_q.append(q1 - q0)
+                cu_k.append(cu_k[-1])
+            if cu_k[-1] < k1 - k0:
+                cu_q.append(cu_q[-1])
+                cu_k.append(k1 - k0)
             index = torch.cat(rows).to(device)
             spec = VarlenSpec(cu_q, cu_k, c, wl, wr)
-            out.append(Call(q_buf, k_buf, q0, q1, k0, k1, spec, index, int(index.numel())))
+            k_index = torch.unique(torch.cat(k_rows)).to(device)
+            out.append(Call(q_buf, k_buf, q0, q1, k0, k1, spec, index, int(index.numel()), k_index))
     return out
 
 
@@ -280,7 +292,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_send_index=index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
-        stage_a=tuple(_calls(stage_a, causal, left, right, device)),
+        stage_a=tuple(_calls(stage_a, causal, left, right, device, span=plan.batch * L)),
         stage_b=tuple(_calls(stage_b, causal, left, right, device)),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
         q_traffic=sum(plan.q_moved_tokens) > 0,
