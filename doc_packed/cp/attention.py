@@ -52,7 +52,7 @@ def get_schedule(
     rank, size = comm.group_info(group_name)
     B, local_len, Hq, D = q.shape
     Hkv = k.shape[2]
-    key = ("cp_schedule", group_name, rank, causal, left, right, Hq, Hkv, q.device)
+    key = ("cp_schedule", group_name, size, rank, causal, left, right, Hq, Hkv, q.device)
     error, layout = None, None
     start, end = owner_range(seq_len, size, rank)
     try:
