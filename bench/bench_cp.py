@@ -200,18 +200,21 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
             # keep-vs-refetch: what the backward's second exchange costs, and what keeping the
             # forward's buffers instead would hold per layer (K, V, moved q and out, lse)
             from doc_packed.cp import attention as cpa
+            from doc_packed.cp import comm
 
             lq, lk, lv = (t[:, sl].contiguous() for t in (q, k, v))
-            ex = cpa.get_exchange(lq, lk, cu, S, True, -1, 0, group.group_name)
+            sch = cpa.get_schedule(lq, lk, cu, S, True, -1, 0, group.group_name)
             lo = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
 
             def refetch():
-                kb, vb = cpa._kv_buffers(ex, cpa._flat(lk), cpa._flat(lv), group.group_name)
-                qo = torch.stack([cpa._flat(lq), cpa._flat(lo)], 1)
-                got = cpa._cast(ex, qo, group.group_name)
-                qb = cpa.assemble(ex.q_runs, cpa._flat(lq), got[:, 0])
-                ob = cpa.assemble(ex.q_runs, cpa._flat(lo), got[:, 1])
-                return kb, vb, qb, ob
+                """The backward's second exchange: K|V, and moved rows' q|out (what keeping the
+                forward's received buffers would hold instead)."""
+                got = [comm.wait(cpa._start_kv(sch, cpa._flat(lk), cpa._flat(lv), group.group_name))] if sch.kv_traffic else []
+                if sch.q_traffic:
+                    idx = sch.q_send_index
+                    msg = cpa._pack([cpa._flat(lq).index_select(0, idx), cpa._flat(lo).index_select(0, idx)], lq.dtype)
+                    got.append(comm.all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group.group_name))
+                return got
 
             res["ours"]["refetch_ms"] = time_ms(refetch, warm, iters)
             res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
