@@ -38,6 +38,7 @@ def _args():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--max-one-doc", type=int, default=262144, help="skip one-document rows longer than this")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--sync-check", action="store_true", help="run each rank once more under set_sync_debug_mode('error')")
     p.add_argument("--top", type=int, default=0, help="also list the slowest rank's N most expensive kernels")
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
@@ -211,7 +212,18 @@ def timing(S, layout, c, Hq, Hkv, D, iters) -> dict:
         run()
         recv = emu.bytes
         ms = _timed(run, iters)
-        ranks.append({"rank": r, "ms": round(ms, 3), "recv_MB": round(recv / 2**20, 2), "_run": run})
+        sync_free = None
+        if ARGS.sync_check:  # the per-layer path, plan cached: no host synchronisation allowed
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run()
+                sync_free = True
+            except RuntimeError as e:
+                sync_free = f"{type(e).__name__}: {str(e)[:160]}"
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        ranks.append({"rank": r, "ms": round(ms, 3), "recv_MB": round(recv / 2**20, 2), "sync_free": sync_free, "_run": run})
     slow = max(ranks, key=lambda x: x["ms"])
     _install(_CopyComm(slow["rank"], c))
     split = _split(slow.pop("_run"))
@@ -293,6 +305,8 @@ def main():
                         f"  ({time.time() - t0:.0f} s)",
                         flush=True,
                     )
+                    if ARGS.sync_check:
+                        print("       host syncs:", [x["sync_free"] for x in row["ranks"]])
                     for t in row["slowest_split"].get("top", []):
                         print("      ", t)
     if ARGS.json:
