@@ -38,6 +38,7 @@ def _args():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--max-one-doc", type=int, default=262144, help="skip one-document rows longer than this")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="stand-in transfers of started all-to-alls on a side stream")
     p.add_argument("--sync-check", action="store_true", help="run each rank once more under set_sync_debug_mode('error')")
     p.add_argument("--top", type=int, default=0, help="also list the slowest rank's N most expensive kernels")
     p.add_argument("--impl", default=None)
@@ -91,6 +92,26 @@ class _CopyComm:
         self.bytes += numel * x.element_size()
         return self._src(x.dtype, numel, x.device)[:numel].view(shape).clone()
 
+    def start(self, x, send_splits, recv_splits, group):
+        """With ``--overlap``: the stand-in transfer runs on a side stream, as NCCL's would."""
+        if not ARGS.overlap:
+            return self.all_to_all(x, send_splits, recv_splits, group)
+        side = self.stage.setdefault("side", torch.cuda.Stream())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.all_to_all(x, send_splits, recv_splits, group)
+            done = torch.cuda.Event()
+            done.record(side)
+        out.record_stream(torch.cuda.current_stream())
+        self.stage[("event", id(out))] = done
+        return out
+
+    def wait(self, x):
+        done = self.stage.pop(("event", id(x)), None)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        return x
+
 
 class _Loopback:
     """All ranks as threads of one process: an all-to-all that moves the real rows. One rank
@@ -131,8 +152,11 @@ def _install(impl) -> None:
         comm.group_info = lambda name: (impl.rank, impl.size)
     comm.all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
     if hasattr(comm, "start_all_to_all"):
-        comm.start_all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
-        comm.wait = lambda x: x
+        if isinstance(impl, _CopyComm):
+            comm.start_all_to_all, comm.wait = impl.start, impl.wait
+        else:
+            comm.start_all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
+            comm.wait = lambda x: x
 
 
 # ----------------------------------------------------------------------------- runs
