@@ -1,16 +1,124 @@
 """Argument validation for the public API: every rule raises before any kernel runs.
 
 Shape, dtype, device and layout rules look at metadata only, so they are free under
-``torch.compile``. Rules on the *values* of ``cu_seqlens`` live in :mod:`doc_packed._doc_layout`,
-which checks each distinct tensor once and caches the result (one host read per tensor, not
-per call).
+``torch.compile``; there a failed check becomes :func:`argument_error` in the graph, so the
+compiled call raises the same error (see :func:`doc_packed.api.doc_packed_attn`). Messages are
+built with :func:`describe`, which dynamo can trace. Rules on the *values* of ``cu_seqlens`` live
+in :mod:`doc_packed._doc_layout`, which validates every layout before caching it
+(docs/contract.md).
 """
 
 from __future__ import annotations
 
+import math
+import operator
+import sys
+
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# cu_seqlens is int32, so no row, document or window is longer than this; GPU kernels take
+# windows and lengths as 32-bit ints, so a larger value would wrap instead of failing
+INT32_MAX = 2**31 - 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _scalar(x: object) -> str:
+    if isinstance(x, str):
+        return f"'{x}'"
+    if x is None or isinstance(x, (int, float)):
+        return f"{x}"
+    return f"a {type(x).__name__}"
+
+
+def describe(x: object) -> str:
+    """``x`` for an error message, built from pieces torch.compile can trace (``repr`` of some
+    values is not), so a failed check reads the same compiled or not."""
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(_scalar(e) for e in x)
+        return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
+    return _scalar(x)
+
+
+def check_length(name: str, value: object) -> int:
+    """A token count (``seq_len``): an int in ``[1, 2**31 - 1]`` (cu_seqlens is int32)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {describe(value)}")
+    assert isinstance(value, int)
+    if not 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} must be in [1, 2**31 - 1] (cu_seqlens is int32), got {value}")
+    return value
+
+
+def check_count(name: str, value: object) -> int:
+    """A positive int (a group size)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {describe(value)}")
+    assert isinstance(value, int)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_cost(name: str, value: object) -> float:
+    """A finite, non-negative real number (a planning weight or tolerance)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {describe(value)}")
+    if isinstance(value, int) and abs(value) > sys.float_info.max:
+        raise ValueError(f"{name} must be finite and >= 0, got an int too large for a float")
+    number = float(value)
+    if not 0 <= number < math.inf:  # also NaN
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return number
+
+
+def check_int_rows(name: str, rows: object) -> list[list[int]]:
+    """Document boundaries given as rows of integers (lists, tuples or arrays): at least one row of
+    at least two, each an int in ``[0, 2**31 - 1]`` (what an int32 ``cu_seqlens`` holds). The
+    ordering rules are :func:`doc_packed._doc_layout.validate_bounds`'s."""
+    try:
+        raw = [list(row) for row in rows]  # type: ignore[attr-defined]
+        out = [[operator.index(x) for x in row] for row in raw]
+    except TypeError:
+        raise TypeError(f"{name} must be a tensor or rows of ints, got {describe(rows)}") from None
+    if any(isinstance(x, bool) for row in raw for x in row):
+        raise TypeError(f"{name} must hold ints, not bools")
+    if not out or any(len(row) < 2 for row in out):
+        raise ValueError(f"{name} as lists needs at least one row of at least two boundaries")
+    if any(not 0 <= x <= INT32_MAX for row in out for x in row):
+        raise ValueError(f"{name} entries must be in [0, 2**31 - 1] (int32)")
+    return out
+
+
+@torch.library.custom_op("doc_packed::argument_error", mutates_args=())
+def argument_error(like: torch.Tensor, kind: str, message: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raises ``TypeError``/``ValueError(message)`` when it runs.
+
+    Under ``torch.compile`` a failed check calls this op instead of raising while tracing (with
+    ``fullgraph=True`` dynamo would turn the raise into ``Unsupported``), so the compiled call
+    raises our error, before any kernel. Its fake returns ``(out, lse)`` shaped for ``like`` (q)
+    so the code after the call traces."""
+    raise (TypeError if kind == "TypeError" else ValueError)(message)
+
+
+@argument_error.register_fake
+def _(like, kind, message):
+    lse_shape = (like.shape[0], like.shape[2], like.shape[1]) if like.dim() == 4 else (0,)
+    return torch.empty_like(like), like.new_empty(lse_shape, dtype=torch.float32)
+
+
+def check_cu_seqlens(cu_seqlens: object) -> torch.Tensor:
+    """A ``[B, MAX_DOCS + 1]`` int32 tensor with ``B >= 1`` and ``MAX_DOCS >= 1`` (its values are
+    checked by :mod:`doc_packed._doc_layout`)."""
+    cu = _check_tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu.dtype}")
+    if cu.dim() != 2 or cu.shape[1] < 2 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1] with B >= 1 and MAX_DOCS >= 1, got {tuple(cu.shape)}")
+    return cu
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -22,18 +130,19 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
 def check_window(causal: bool, window_size: object) -> tuple[int, int]:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    ):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(_is_int(w) for w in window_size):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {describe(window_size)}")
     left, right = int(window_size[0]), int(window_size[1])
     if left < -1 or right < -1:
-        raise ValueError(f"window_size={tuple(window_size)}: each side must be >= 0, or -1 for unbounded")
+        raise ValueError(f"window_size={(left, right)}: each side must be >= 0, or -1 for unbounded")
+    if left > INT32_MAX or right > INT32_MAX:
+        raise ValueError(
+            f"window_size={(left, right)}: each side must be at most 2**31 - 1 (cu_seqlens is int32, "
+            "so no document is longer); use -1 for unbounded"
+        )
     if causal and right > 0:
         raise ValueError(
-            f"window_size={tuple(window_size)} has a right window {right} > 0 but causal=True; "
+            f"window_size={(left, right)} has a right window {right} > 0 but causal=True; "
             "use causal=False for a window that looks ahead"
         )
     return left, (0 if causal else right)
@@ -56,7 +165,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
-    if B == 0 or S == 0 or D == 0:
+    if B == 0 or S == 0 or Hq == 0 or D == 0:
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
@@ -78,10 +187,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
                 f"{name} has stride {t.stride()}: batch and sequence dims must be mergeable into "
                 f"one token dim (stride(0) == S * stride(1)); call .contiguous() on {name}"
             )
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
-        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1] with MAX_DOCS >= 1, got {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens(cu_seqlens)
     if cu_seqlens.shape[0] != B:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
 
@@ -91,7 +197,9 @@ def check_scale(scale: object, head_dim: int) -> float:
         return float(head_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not scale > 0 or scale == float("inf"):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return scale
+    if isinstance(scale, int) and scale > sys.float_info.max:  # float() would overflow
+        raise ValueError("scale must be a positive finite float, got an int too large for a float")
+    value = float(scale)
+    if not 0 < value < math.inf:  # also NaN
+        raise ValueError(f"scale must be a positive finite float, got {value}")
+    return value

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, kernels
-from ._checks import check_qkv, check_scale, check_window
+from ._checks import INT32_MAX, argument_error, check_length, check_qkv, check_scale, check_window, describe
 
 __all__ = ["doc_packed_attn", "planning"]
 
@@ -46,8 +46,10 @@ def planning(*, doc_len: int | None, cp_dim: str | None = None) -> Iterator[None
 def _check_doc_len(doc_len: object) -> int:
     if doc_len is None:
         return 0
-    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or doc_len < 1:
-        raise ValueError(f"planning_doc_len must be a positive int or None, got {doc_len!r}")
+    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or not 1 <= doc_len <= INT32_MAX:
+        raise ValueError(
+            f"planning_doc_len must be a positive int (at most 2**31 - 1) or None, got {describe(doc_len)}"
+        )
     return doc_len
 
 
@@ -77,6 +79,40 @@ def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     if isinstance(q, DTensor) and not isinstance(cu_seqlens, DTensor):
         return DTensor.from_local(cu_seqlens, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False)
     return cu_seqlens
+
+
+def _is_dtensor(x: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def _validated(q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len):
+    """Every per-call rule of :func:`doc_packed_attn` (metadata only; the op checks the values of
+    ``cu_seqlens``): ``(left, right, scale, seq_len, group_name, doc_len, cp_dim)`` for the op."""
+    check_qkv(q, k, v, cu_seqlens)
+    left, right = check_window(causal, window_size)
+    scale = check_scale(scale, q.shape[-1])
+    if not torch.compiler.is_compiling():  # the op checks again when it runs (compiled too)
+        kernels.check_backend(backend, q, k.shape[2])
+    elif backend not in kernels.BACKENDS:
+        raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {describe(backend)}")
+    local_len = q.shape[1]
+    group_name = None
+    if cp_group is not None:
+        group_name, cp_size = _group_name(cp_group)
+        seq_len = local_len * cp_size if seq_len is None else check_length("seq_len", seq_len)
+    elif seq_len is not None and seq_len != local_len:
+        raise ValueError(
+            f"seq_len={describe(seq_len)} differs from q's sequence length {local_len}; seq_len is only "
+            "for context-parallel calls (cp_group=...)"
+        )
+    else:
+        seq_len = local_len
+    doc_len, cp_dim = _hints[-1] if _hints else (0, None)
+    if planning_doc_len is not None:
+        doc_len = _check_doc_len(planning_doc_len)
+    return left, right, scale, seq_len, group_name, doc_len, cp_dim
 
 
 def doc_packed_attn(
@@ -121,28 +157,21 @@ def doc_packed_attn(
     Returns:
         ``out`` ``[B, S, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
     """
-    check_qkv(q, k, v, cu_seqlens)
-    left, right = check_window(causal, window_size)
-    scale = check_scale(scale, q.shape[-1])
-    if not torch.compiler.is_compiling():  # the op checks again when it runs (compiled too)
-        kernels.check_backend(backend, q, k.shape[2])
-    elif backend not in kernels.BACKENDS:
-        raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
-    local_len = q.shape[1]
-    group_name = None
-    if cp_group is not None:
-        group_name, cp_size = _group_name(cp_group)
-        seq_len = local_len * cp_size if seq_len is None else seq_len
-    elif seq_len is not None and seq_len != local_len:
-        raise ValueError(
-            f"seq_len={seq_len} differs from q's sequence length {local_len}; seq_len is only "
-            "for context-parallel calls (cp_group=...)"
+    try:
+        left, right, scale, seq_len, group_name, doc_len, cp_dim = _validated(
+            q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len
         )
-    else:
-        seq_len = local_len
-    doc_len, cp_dim = _hints[-1] if _hints else (0, None)
-    if planning_doc_len is not None:
-        doc_len = _check_doc_len(planning_doc_len)
+    except (TypeError, ValueError) as err:
+        if not torch.compiler.is_compiling() or _is_dtensor(q):
+            raise
+        # torch.compile(fullgraph=True) would turn the raise into a dynamo ``Unsupported``: put
+        # the error into the graph instead, so the compiled call raises it, before any kernel
+        out, lse = argument_error(
+            q if isinstance(q, torch.Tensor) else torch.empty(0),
+            "TypeError" if isinstance(err, TypeError) else "ValueError",
+            err.args[0],
+        )
+        return (out, lse) if return_lse else out
     cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = torch.ops.doc_packed.attn_fwd(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_window
+from .._checks import check_cost, check_count, check_cu_seqlens, check_int_rows, check_window
 from .._doc_layout import DocLayout, get_layout, validate_bounds
 from .._mask import key_bounds, prefix_pairs
 
@@ -395,18 +395,15 @@ def plan_context_parallel(
     ``query_cost`` is what moving one query costs relative to one key/value token (the runtime
     uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean.
     """
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    check_count("cp_size", cp_size)
+    query_cost, tolerance = check_cost("query_cost", query_cost), check_cost("tolerance", tolerance)
     left, right = check_window(causal, window_size)
     if not isinstance(cu_seqlens, torch.Tensor):
-        bounds = [[int(x) for x in row] for row in cu_seqlens]
-        if not bounds or any(len(row) < 2 for row in bounds):
-            raise ValueError("cu_seqlens as lists needs at least one row of at least two boundaries")
+        bounds = check_int_rows("cu_seqlens", cu_seqlens)
         validate_bounds(bounds, bounds[0][-1])
         layout = DocLayout(bounds, bounds[0][-1])
         return build_plan(layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance)
-    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
-        raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1], got {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens(cu_seqlens)
     seq_len = int(cu_seqlens[0, -1])
     layout = get_layout(cu_seqlens, seq_len)
     return layout.derived(
