@@ -1,13 +1,27 @@
-"""Host-side facts about one ``cu_seqlens`` tensor, validated and cached per distinct tensor.
+"""Host-side facts about one ``cu_seqlens`` layout, validated once and cached (docs/contract.md).
 
-Reading ``cu_seqlens`` on the host is a device sync, so it happens once per distinct tensor,
-not once per call: every layer of a step passes the same tensor and hits the cache. The cache
-keeps a reference to each tensor it describes, so a cached tensor's memory cannot be reused by
-another one while its entry lives, and the key (address, shape, strides, version counter)
-cannot silently match different contents. In-place writes bump the version counter and miss.
+The cache may never describe values other than the ones a call passes, and never lets invalid
+values through. How it knows the values without reading them every call depends on the device:
+
+- **CPU tensors are keyed on their values** (dtype, shape and bytes: ``B x (MAX_DOCS + 1)``
+  int32, read and hashed every call, no device sync). Every way of writing a CPU tensor (in
+  place, under ``torch.inference_mode()``, through ``.data``, a NumPy or DLPack view, its
+  storage) changes the key, so a cached entry always describes the values passed.
+- **Other devices** (CUDA) would need a device sync to read the values, so a tensor is keyed on
+  its identity: address, shape, strides and version counter, holding a reference so the address
+  cannot be reused while cached. Every write through a torch op bumps the version counter and
+  misses. Inference tensors have no version counter: they are never cached by identity (their
+  values are read every call, one sync each). Writes that bypass the version counter (``.data``,
+  DLPack consumers, ``untyped_storage()``, kernels writing through ``data_ptr``) are not seen:
+  the contract forbids them on a tensor already passed (docs/contract.md).
+
+Whatever the key, values are validated before an entry is made, and only validated values have
+entries, so a hit is always a valid layout. Layouts are shared by value: two tensors with the
+same boundaries share one :class:`DocLayout` and everything memoised on it.
 
 Anything derived from the layout that layers can share (flattened offsets on the device, block
-bounds for the CPU kernel, context-parallel plans) hangs off :meth:`DocLayout.derived`.
+bounds for the CPU kernel, context-parallel plans) hangs off :meth:`DocLayout.derived`, a
+least-recently-used memo of at most ``_DERIVED_SIZE`` entries per layout.
 """
 
 from __future__ import annotations
@@ -21,7 +35,8 @@ import torch
 from . import _compat
 
 _T = TypeVar("_T")
-_CACHE_SIZE = 32
+_CACHE_SIZE = 32  # layouts (by value) and CUDA tensors (by identity), each least recently used first out
+_DERIVED_SIZE = 32  # memoised values per layout (a spec per mask, plans, exchanges, flop counts)
 
 
 class DocLayout:
@@ -35,7 +50,7 @@ class DocLayout:
         self.rows: tuple[tuple[tuple[int, int], ...], ...] = tuple(
             tuple((s, e) for s, e in zip(row[:-1], row[1:]) if e > s) for row in bounds
         )
-        self._derived: dict[Any, Any] = {}
+        self._derived: OrderedDict[Any, Any] = OrderedDict()
 
     @property
     def batch(self) -> int:
@@ -43,15 +58,22 @@ class DocLayout:
 
     def derived_get(self, key: Any) -> Any:
         """The value memoised under ``key``, or None."""
-        return self._derived.get(key)
+        value = self._derived.get(key)
+        if value is not None:
+            self._derived.move_to_end(key)
+        return value
 
     def derived(self, key: Any, factory: Callable[[], _T]) -> _T:
-        """Memoise ``factory()`` under ``key`` for the lifetime of this layout."""
+        """Memoise ``factory()`` under ``key`` (the ``_DERIVED_SIZE`` most recently used keys)."""
         try:
-            return self._derived[key]
+            value = self._derived[key]
         except KeyError:
             value = self._derived[key] = factory()
+            if len(self._derived) > _DERIVED_SIZE:
+                self._derived.popitem(last=False)
             return value
+        self._derived.move_to_end(key)
+        return value
 
 
 def cp_degree(local_len: int, seq_len: int) -> int:
@@ -78,25 +100,63 @@ def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
             )
 
 
-_cache: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
+# (values key) -> DocLayout, and (identity key) -> (the tensor, its DocLayout) for non-CPU tensors
+_layouts: OrderedDict[tuple, DocLayout] = OrderedDict()
+_tensors: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
 
 
-def _key(cu: torch.Tensor, seq_len: int) -> tuple:
+def _lru_put(cache: OrderedDict, key: tuple, value: Any) -> None:
+    cache[key] = value
+    if len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _values_key(host: torch.Tensor, seq_len: int) -> tuple:
+    host = host.contiguous()
+    return (host.dtype, tuple(host.shape), seq_len, host.numpy().tobytes())
+
+
+def _identity_key(cu: torch.Tensor, seq_len: int) -> tuple | None:
+    """The identity key of a non-CPU tensor, or None when its version counter cannot be trusted."""
     version = _compat.tensor_version(cu)  # None for inference tensors
+    if version is None:
+        return None
     return (cu.device, cu.data_ptr(), tuple(cu.shape), cu.stride(), version, seq_len)
 
 
-def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
-    """The validated :class:`DocLayout` of ``cu_seqlens`` (one host read per distinct tensor)."""
-    key = _key(cu_seqlens, seq_len)
-    hit = _cache.get(key)
-    if hit is not None:
-        _cache.move_to_end(key)
-        return hit[1]
-    bounds = cu_seqlens.detach().to("cpu", torch.int64).tolist()
+def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
+    """The layout of host values: cached by value, validated before it is cached."""
+    key = _values_key(host, seq_len)
+    layout = _layouts.get(key)
+    if layout is not None:
+        _layouts.move_to_end(key)
+        return layout
+    bounds = host.to(torch.int64).tolist()
     validate_bounds(bounds, seq_len)
     layout = DocLayout(bounds, seq_len)
-    _cache[key] = (cu_seqlens, layout)
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    _lru_put(_layouts, key, layout)
     return layout
+
+
+def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
+    """The validated :class:`DocLayout` of ``cu_seqlens`` (CPU: keyed on the values; other
+    devices: one host read per distinct tensor and version, see the module doc)."""
+    cu = cu_seqlens.detach()
+    if cu.device.type == "cpu":
+        return _layout_of(cu, seq_len)
+    key = _identity_key(cu, seq_len)
+    hit = None if key is None else _tensors.get(key)
+    if hit is not None:
+        assert key is not None
+        _tensors.move_to_end(key)
+        return hit[1]
+    layout = _layout_of(cu.to("cpu"), seq_len)  # the one device sync
+    if key is not None:
+        _lru_put(_tensors, key, (cu_seqlens, layout))
+    return layout
+
+
+def clear_cache() -> None:
+    """Forget every cached layout (tests; memory)."""
+    _layouts.clear()
+    _tensors.clear()

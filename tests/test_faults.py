@@ -1,13 +1,15 @@
 """Nothing silently wrong: the fault classes of the single-process op (docs/contract.md).
 
+4. The layout cache is never stale, whatever way cu_seqlens is written; the per-layout memo is bounded.
 5. Validation: clear errors naming the argument, also under torch.compile(fullgraph=True).
 
-Every test compares with an independent reference: the exact error (under torch.compile: the
-eager error, word for word), or the float64 dense oracle (tests/oracle.py).
+Every test compares with an independent reference: the float64 dense oracle (tests/oracle.py), or
+the exact error (under torch.compile: the eager error, word for word).
 """
 
 from __future__ import annotations
 
+import random
 import re
 
 import numpy as np
@@ -15,7 +17,147 @@ import pytest
 import torch
 
 import doc_packed as dp
+from doc_packed import _doc_layout
 from oracle import reference
+
+
+# ----------------------------------------------------------------------------- 4. the layout cache
+
+
+def _write_inplace(cu, row, col, value):
+    cu[row, col] = value
+
+
+def _write_under_inference_mode(cu, row, col, value):
+    with torch.inference_mode():
+        cu[row, col] = value
+
+
+def _write_data(cu, row, col, value):
+    cu.data[row, col] = value
+
+
+def _write_numpy(cu, row, col, value):
+    cu.numpy()[row, col] = value
+
+
+def _write_dlpack(cu, row, col, value):
+    torch.from_dlpack(cu.__dlpack__())[row, col] = value
+
+
+def _write_storage(cu, row, col, value):
+    view = torch.empty(0, dtype=cu.dtype).set_(cu.untyped_storage(), 0, cu.shape, cu.stride())
+    with torch.no_grad():
+        view[row, col] = value
+
+
+WRITES = [_write_inplace, _write_under_inference_mode, _write_data, _write_numpy, _write_dlpack, _write_storage]
+
+
+def _cache_inputs(inference: bool):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 16, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    if inference:
+        with torch.inference_mode():
+            cu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32)
+    else:
+        cu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32)
+    return q, k, v, cu
+
+
+# (how it is written, whether it is an inference tensor: created under inference_mode, no version
+# counter, writable only there)
+WRITE_CASES = [(w, False) for w in WRITES] + [(_write_under_inference_mode, True)]
+
+
+@pytest.mark.parametrize(
+    "write,inference", WRITE_CASES, ids=[w.__name__[7:] + ("-inference-tensor" if i else "") for w, i in WRITE_CASES]
+)
+def test_a_write_to_cu_seqlens_is_always_seen(write, inference):
+    q, k, v, cu = _cache_inputs(inference)
+    for causal, window in ((True, (-1, -1)), (False, (2, 1))):
+        dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window)  # cached
+        write(cu, 0, 1, 9 if cu[0, 1] == 4 else 4)  # a valid new layout
+        out = dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window)
+        ref, _ = reference(q, k, v, cu.clone(), causal, window)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert cu[0, 1] == 4
+    write(cu, 0, 2, 3)  # invalid: decreasing
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be non-decreasing, but entry 2 \(3\) < entry 1 \(4\)"):
+        dp.doc_packed_attn(q, k, v, cu)
+    write(cu, 0, 2, 10)  # valid again
+    torch.testing.assert_close(dp.doc_packed_attn(q, k, v, cu), reference(q, k, v, cu.clone())[0], atol=1e-10, rtol=0)
+
+
+def test_equal_values_share_one_layout_and_invalid_values_are_never_cached():
+    cu = torch.tensor([[0, 3, 8]], dtype=torch.int32)
+    a = _doc_layout.get_layout(cu, 8)
+    assert _doc_layout.get_layout(cu.clone(), 8) is a  # keyed on values: another tensor, same entry
+    bad = torch.tensor([[0, 9, 8]], dtype=torch.int32)
+    for _ in range(2):  # the second call is not a hit on anything
+        with pytest.raises(ValueError, match="past the sequence length 8"):
+            _doc_layout.get_layout(bad, 8)
+
+
+def test_per_layout_memo_is_bounded():
+    B, S = 2, 64
+    cu = dp.cu_seqlens_from_lengths([[20, 44], [64]], S)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, S, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    layout = _doc_layout.get_layout(cu, S)
+    first = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0))
+    for left in range(1, 401):  # 400 distinct windows on one layout
+        dp.doc_packed_attn(q, k, v, cu, window_size=(left, 0))
+        assert len(layout._derived) <= _doc_layout._DERIVED_SIZE
+    assert _doc_layout.get_layout(cu, S) is layout
+    # the evicted entry is rebuilt, not wrong
+    again = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0))
+    assert torch.equal(again, first)
+    torch.testing.assert_close(again, reference(q, k, v, cu, True, (0, 0))[0], atol=1e-12, rtol=0)
+
+
+def test_random_rows_round_trip_through_the_value_keyed_cache():
+    # many random layouts through the op: each result matches the oracle for its own values
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 20, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    cu = torch.zeros(2, 6, dtype=torch.int32)
+    for _ in range(40):  # one tensor, rewritten in place through NumPy (no version bump) each time
+        rows = []
+        for _b in range(2):
+            cuts = sorted(rng.randint(0, 20) for _ in range(4))
+            rows.append([0, *cuts, 20])
+        cu.numpy()[:] = np.array(rows, dtype=np.int32)
+        out = dp.doc_packed_attn(q, k, v, cu, causal=False, window_size=(1, 2))
+        ref, _ = reference(q, k, v, torch.tensor(rows, dtype=torch.int32), False, (1, 2))
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cache_sees_versioned_writes_and_never_caches_inference_tensors():
+    q, k, v = (torch.randn(2, 16, h, 8, device="cuda") for h in (4, 2, 2))
+    cu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32, device="cuda")
+
+    def check(cu):
+        out = dp.doc_packed_attn(q, k, v, cu, backend="math")
+        ref, _ = reference(q.cpu(), k.cpu(), v.cpu(), cu.cpu())
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+    check(cu)
+    cu[0, 1] = 9  # a torch write bumps the version counter
+    check(cu)
+    cu[0, 2] = 3
+    with pytest.raises(ValueError, match=r"must be non-decreasing, but entry 2 \(3\) < entry 1 \(9\)"):
+        dp.doc_packed_attn(q, k, v, cu, backend="math")
+    with torch.inference_mode():  # inference tensors have no version counter: read every call
+        icu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32, device="cuda")
+        check(icu)
+        icu[0, 1] = 7
+        check(icu)
+        icu[0, 2] = 3
+        with pytest.raises(ValueError, match=r"must be non-decreasing, but entry 2 \(3\) < entry 1 \(7\)"):
+            dp.doc_packed_attn(q, k, v, icu, backend="math")
 
 
 # ----------------------------------------------------------------------------- 5. validation
