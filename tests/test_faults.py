@@ -1,24 +1,306 @@
 """Nothing silently wrong: the fault classes of the single-process op (docs/contract.md).
 
+1. A NaN/Inf in one document stays in that document (forward and backward).
+2. Batch invariance: a document's bits do not depend on the other documents or where it sits.
+3. Precision at the edges: saturated softmax in fp16/bf16, queries that see exactly one key.
 4. The layout cache is never stale, whatever way cu_seqlens is written; the per-layout memo is bounded.
 5. Validation: clear errors naming the argument, also under torch.compile(fullgraph=True).
 
-Every test compares with an independent reference: the float64 dense oracle (tests/oracle.py), or
-the exact error (under torch.compile: the eager error, word for word).
+Every test compares with an independent reference: the document computed alone (a call that
+holds nothing else), the float64 dense oracle (tests/oracle.py), or the exact error.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import doc_packed as dp
 from doc_packed import _doc_layout
-from oracle import reference
+from doc_packed.kernels import VarlenSpec
+from doc_packed.kernels import math as math_kernel
+from oracle import dense_mask, reference
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5)), (False, (0, 0))]
+
+
+def _cu(rows: list[list[int]]) -> torch.Tensor:
+    """cu_seqlens from per-row document lengths (zero-length documents kept where they are)."""
+    width = max(len(r) for r in rows) + 1
+    out = []
+    for r in rows:
+        b = [0]
+        for n in r:
+            b.append(b[-1] + n)
+        out.append(b + [b[-1]] * (width - len(b)))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _docs(cu: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every non-empty document."""
+    return [(b, s, e) for b, row in enumerate(cu.tolist()) for s, e in zip(row[:-1], row[1:]) if e > s]
+
+
+def _run(q, k, v, cu, dout, causal, window):
+    """(out, lse, dq, dk, dv) of one call, out's gradient ``dout``."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _alone(q, k, v, dout, b, s, e, causal, window):
+    """The same call on document ``[s, e)`` of row ``b`` alone (a fresh one-document batch)."""
+    piece = [x[b : b + 1, s:e].clone() for x in (q, k, v, dout)]
+    return _run(*piece[:3], _cu([[e - s]]), piece[3], causal, window)
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _check_per_document(q, k, v, dout, cu, causal, window, clean_docs=None):
+    """Every document of the packed call equals, bit for bit, the document computed alone."""
+    out, lse, dq, dk, dv = _run(q, k, v, cu, dout, causal, window)
+    for b, s, e in _docs(cu):
+        a_out, a_lse, a_dq, a_dk, a_dv = _alone(q, k, v, dout, b, s, e, causal, window)
+        where = f"row {b} document [{s}, {e})"
+        _same_bits(out[b, s:e], a_out[0], f"out of {where}")
+        _same_bits(lse[b, :, s:e], a_lse[0], f"lse of {where}")
+        for name, g, a in (("dq", dq, a_dq), ("dk", dk, a_dk), ("dv", dv, a_dv)):
+            _same_bits(g[b, s:e], a[0], f"{name} of {where}")
+        if clean_docs is not None and (b, s, e) in clean_docs:
+            for name, t in (("out", out[b, s:e]), ("dq", dq[b, s:e]), ("dk", dk[b, s:e]), ("dv", dv[b, s:e])):
+                assert torch.isfinite(t).all(), f"{name} of the clean {where} is not finite"
+
+
+# ----------------------------------------------------------------------------- 1. NaN/Inf stays in its document
+
+
+def test_nan_in_one_row_leaves_the_other_row_alone():
+    # the issue's case: before the fix every output of row 1 was NaN
+    q, k, v = torch.randn(3, 2, 4, 1, 8).unbind(0)
+    v[0, 3] = float("nan")
+    cu = torch.tensor([[0, 4], [0, 4]], dtype=torch.int32)
+    dout = torch.randn(2, 4, 1, 8)
+    _check_per_document(q, k, v, dout, cu, True, (-1, -1), clean_docs={(1, 0, 4)})
+    out = dp.doc_packed_attn(q, k, v, cu)
+    ref, _ = reference(q[1:], k[1:], v[1:], cu[1:])
+    torch.testing.assert_close(out[1:].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    B=st.integers(1, 3),
+    dtype=st.sampled_from(DTYPES),
+    mask=st.sampled_from(MASKS),
+    target=st.sampled_from(["q", "k", "v", "dout"]),
+    bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+    spread=st.sampled_from(["element", "token", "document"]),
+)
+def test_property_bad_values_stay_in_their_document(data, B, dtype, mask, target, bad, spread):
+    rows = [data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5)) for _ in range(B)]
+    S = max(1, max(sum(r) for r in rows))
+    rows = [r + [S - sum(r)] for r in rows]
+    cu = _cu(rows)
+    docs = _docs(cu)
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = data.draw(st.sampled_from([(2, 1), (2, 2), (4, 2)]))
+    D = 8
+    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, S, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    b, s, e = docs[data.draw(st.integers(0, len(docs) - 1))]
+    t = data.draw(st.integers(s, e - 1))
+    x = tensors[target]
+    if spread == "element":
+        x[b, t, data.draw(st.integers(0, x.shape[2] - 1)), data.draw(st.integers(0, D - 1))] = bad
+    elif spread == "token":
+        x[b, t] = bad
+    else:
+        x[b, s:e] = bad
+    clean = {d for d in docs if d != (b, s, e)}
+    _check_per_document(q, k, v, dout, cu, *mask, clean_docs=clean)
+
+
+# ----------------------------------------------------------------------------- 2. batch invariance
+
+
+# documents longer than a query block (128) and a key tile (512), short ones, a one-token one
+_DOC_LENGTHS = [130, 64, 1, 600, 7]
+_ARRANGEMENTS = [
+    [[0, 1, 2, 3, 4]],  # one row, in order
+    [[3, 4, 2], [1, 0]],  # two rows, other order
+    [[4, 0], [2, 1, 3]],
+    [[1], [3], [0, 2, 4]],
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (4, 4)), (True, (300, 0)), (False, (-1, 20))])
+def test_documents_bits_do_not_depend_on_the_batch(dtype, causal, window):
+    g = torch.Generator().manual_seed(7)
+    Hq, Hkv, D = 2, 1, 32
+    docs = [
+        [torch.randn(n, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv, Hq)]  # q, k, v, dout
+        for n in _DOC_LENGTHS
+    ]
+    alone = [_run(*(x[None] for x in d[:3]), _cu([[d[0].shape[0]]]), d[3][None], causal, window) for d in docs]
+    S = 1000
+    for arrangement in _ARRANGEMENTS:
+        # each row is filled to S with a filler document of its own (random values)
+        rows = [[_DOC_LENGTHS[i] for i in r] for r in arrangement]
+        tensors = []
+        for j in range(4):
+            per_row = []
+            for r in arrangement:
+                parts = [docs[i][j] for i in r]
+                fill = S - sum(p.shape[0] for p in parts)
+                parts.append(torch.randn(fill, *parts[0].shape[1:], generator=g).to(dtype))
+                per_row.append(torch.cat(parts))
+            tensors.append(torch.stack(per_row))
+        cu = _cu([r + [S - sum(r)] for r in rows])
+        out, lse, dq, dk, dv = _run(*tensors[:3], cu, tensors[3], causal, window)
+        for b, r in enumerate(arrangement):
+            s = 0
+            for i in r:
+                e = s + _DOC_LENGTHS[i]
+                a = alone[i]
+                where = f"document {i} at row {b} [{s}, {e}) of {arrangement}"
+                _same_bits(out[b, s:e], a[0][0], f"out of {where}")
+                _same_bits(lse[b, :, s:e], a[1][0], f"lse of {where}")
+                for name, got, want in (("dq", dq, a[2]), ("dk", dk, a[3]), ("dv", dv, a[4])):
+                    _same_bits(got[b, s:e], want[0], f"{name} of {where}")
+                s = e
+    # and the document computed alone is right (the float64 oracle)
+    if dtype == torch.float64:
+        for d, a in zip(docs, alone):
+            ref, ref_lse = reference(*(x[None] for x in d[:3]), _cu([[d[0].shape[0]]]), causal, window)
+            torch.testing.assert_close(a[0], ref, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(a[1], ref_lse, atol=1e-10, rtol=1e-10)
+
+
+# ----------------------------------------------------------------------------- 3. precision at the edges
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,causal,window",
+    [
+        ([[1] * 24, [1] * 24], True, (-1, -1)),  # one-token documents
+        ([[5, 19], [24]], True, (0, 0)),  # every query sees itself only
+        ([[5, 19], [24]], False, (0, 0)),
+        ([[1, 23], [1] * 24], False, (0, -1)),  # causal=False, right unbounded, left 0: not one key
+    ],
+)
+def test_one_visible_key_gives_exact_zero_dq_dk(dtype, rows, causal, window):
+    S = 24
+    cu = _cu(rows)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, S, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
+    dout = torch.randn(2, S, 4, 8, generator=g).to(dtype)
+    out, _, dq, dk, dv = _run(q, k, v, cu, dout, causal, window)
+    mask_rows = [dense_mask(cu[b].tolist(), S, causal, window) for b in range(2)]
+    one_key = torch.stack([m.sum(1) == 1 for m in mask_rows])  # [B, S] queries that see one key
+    # oracle for everything (float64 from the same inputs)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref, _ = reference(q64, k64, v64, cu, causal, window)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+    for got, w in zip((out, dq, dk, dv), (ref, *want)):
+        torch.testing.assert_close(got.double(), w, atol=tol, rtol=tol)
+    if window == (0, -1):
+        assert not one_key.all()
+        return
+    assert one_key.all()
+    # p = 1 exactly: out is the one value row, and dq, dk are exactly zero (not rounding noise)
+    assert torch.equal(out, v.repeat_interleave(2, dim=2))
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dk) == 0
+
+
+def _saturated(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, D = 2, 96, 4, 32
+    q, k, v, dout = (torch.randn(B, S, H, D, generator=g) for _ in range(4))
+    q, k, v, dout = (x.to(dtype) for x in (5 * q, 5 * k, v, dout))  # inputs x5: softmax near one-hot
+    cu = _cu([[40, 56], [96]])
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref, _ = reference(q64, k64, v64, cu)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    return q, k, v, dout, cu, want
+
+
+def _floor_ratio(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """Frobenius error of ``got`` over that of the exact gradient rounded to ``dtype`` (the best
+    any result in that dtype can do)."""
+    floor = (want.to(dtype).double() - want).norm()
+    return float((got.double() - want).norm() / floor)
+
+
+# Why 1.1: the kernel accumulates in fp32, whose relative error (~1e-6) is far below the unit
+# roundoff of fp16 (2**-11) and bf16 (2**-8). So the error left should be the final rounding of the
+# gradient to q's dtype, i.e. the exact gradient's own rounding error, give or take where fp32 noise
+# moves a value across a rounding boundary (a few percent at most). Before the fix delta came from
+# the output rounded to fp16/bf16 and dq/dk were ~4x that floor in this setting.
+_FLOOR = 1.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_saturated_softmax_gradients_at_the_rounding_floor(dtype, seed):
+    q, k, v, dout, cu, want = _saturated(dtype, seed)
+    _, _, *got = _run(q, k, v, cu, dout, True, (-1, -1))
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert _floor_ratio(g, w, dtype) <= _FLOOR, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_saturated_backward_from_an_accumulator_out_keeps_the_kernel_contract(dtype):
+    # a whole-row spec without row_len is the context-parallel form: delta comes from the out
+    # passed in; given the accumulator's fp32 out (what a caller holding it may pass), the
+    # gradients reach the same floor
+    q, k, v, dout, cu, want = _saturated(dtype)
+    B, S, H, D = q.shape
+    flat = lambda x: x.reshape(B * S, *x.shape[2:])  # noqa: E731
+    spec = VarlenSpec([0, 40, 96, 192], [0, 40, 96, 192], True, -1, 0)
+    fq, fk, fv, fdo = (flat(x) for x in (q, k, v, dout))
+    out32, lse = math_kernel.forward(spec, fq.float(), fk.float(), fv.float(), D**-0.5)
+    got = math_kernel.backward(spec, fdo, fq, fk, fv, out32, lse, D**-0.5)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert _floor_ratio(g, flat(w), dtype) <= _FLOOR, name
+
+
+def test_backward_recomputing_tiles_gives_the_same_bits(monkeypatch):
+    # past _BWD_KEEP_BYTES the backward recomputes P and dP in its second pass instead of keeping
+    # them: the same arithmetic on the same operands, so the same bits, at the oracle's floor
+    q, k, v, dout, cu, want = _saturated(torch.float16)
+    B, S, H, D = q.shape
+    flat = [x.reshape(B * S, *x.shape[2:]) for x in (q, k, v, dout)]
+    monkeypatch.setattr(math_kernel, "BLOCK_K", 16)  # several key tiles per query block
+    results = []
+    for keep in (math_kernel._BWD_KEEP_BYTES, 0):
+        monkeypatch.setattr(math_kernel, "_BWD_KEEP_BYTES", keep)
+        spec = VarlenSpec([0, 40, 96, 192], [0, 40, 96, 192], False, -1, 30, row_len=S)  # a fresh plan
+        out, lse = math_kernel.forward(spec, *flat[:3], D**-0.5)
+        results.append(math_kernel.backward(spec, flat[3], *flat[:3], out, lse, D**-0.5))
+    for name, a, b in zip(("dq", "dk", "dv"), *results):
+        _same_bits(a, b, f"{name}: kept vs recomputed")
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref, _ = reference(q64, k64, v64, cu, False, (-1, 30))
+    grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for name, g, w in zip(("dq", "dk", "dv"), results[0], grads):
+        assert _floor_ratio(g, w.reshape(B * S, *w.shape[2:]), torch.float16) <= _FLOOR, name
 
 
 # ----------------------------------------------------------------------------- 4. the layout cache
