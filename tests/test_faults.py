@@ -32,6 +32,18 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5)), (False, (0, 0))]
 
 
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """One intra-op thread unless a test asks for more with a ``threads`` parameter: the problems
+    are tiny, and two OMP threads per process made this module ~10x slower on a loaded 2-core host
+    (barrier waits). The threaded kernels keep a test of their own."""
+    before = torch.get_num_threads()
+    callspec = getattr(request.node, "callspec", None)
+    torch.set_num_threads(callspec.params.get("threads", 1) if callspec else 1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _cu(rows: list[list[int]]) -> torch.Tensor:
     """cu_seqlens from per-row document lengths (zero-length documents kept where they are)."""
     width = max(len(r) for r in rows) + 1
@@ -150,6 +162,20 @@ _ARRANGEMENTS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (4, 4)), (True, (300, 0)), (False, (-1, 20))])
 def test_documents_bits_do_not_depend_on_the_batch(dtype, causal, window):
+    _check_arrangements(dtype, causal, window)
+
+
+@pytest.mark.slow  # about 1 s on an idle 2-core host, but two OMP threads wait on each other when it is busy
+@pytest.mark.parametrize("threads", [2])
+@pytest.mark.parametrize("dtype,causal,window", [(torch.float32, True, (300, 0)), (torch.float16, False, (4, 4))])
+def test_documents_bits_do_not_depend_on_the_batch_threaded(threads, dtype, causal, window):
+    # intra-op threads split elementwise ops and reductions into per-thread chunks of the block's
+    # tensors: the chunks depend on the block's shape, so on the document only
+    assert torch.get_num_threads() == threads
+    _check_arrangements(dtype, causal, window)
+
+
+def _check_arrangements(dtype, causal, window):
     g = torch.Generator().manual_seed(7)
     Hq, Hkv, D = 2, 1, 32
     docs = [
