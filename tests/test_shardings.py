@@ -140,8 +140,6 @@ def test_registration_survives_torchs_context_parallel_mode():
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
-    import shardings
-
     handlers = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731
     op = torch.ops.doc_packed.attn_fwd.default
     torch_cp._enable_cp_dtensor_dispatcher()
