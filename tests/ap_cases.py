@@ -40,16 +40,22 @@ def reference_training(cfg, batches, lr, steps):
     return state, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, steps, lr, doc_len_hint, force=None,
-             compile_backend="eager"):
+def ap_train(rank, world, *args, **kwargs):
+    """:func:`_ap_train` with torch patched for AutoParallel's head (ap_compat)."""
+    from ap_compat import torch_patched_for_autoparallel
+
+    with torch_patched_for_autoparallel():
+        return _ap_train(rank, world, *args, **kwargs)
+
+
+def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, steps, lr, doc_len_hint, force=None,
+              compile_backend="eager"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from autoparallel.api import AutoParallel
 
-    from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
+    from ap_compat import device_name_for_cost_model
     from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
-
-    patch_autoparallel_for_torch()
 
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     tok_pl = tuple(pl[c] for c in in_pl)

@@ -2,8 +2,9 @@
 
 - torch 2.11 (the GPU machines): AutoParallel's head reads
   ``_SingleDimStrategyInfo.allow_uneven_sharding`` and passes ``allow_uneven_sharding=`` to
-  ``expand_to_full_mesh_op_strategy``; both arrived after 2.11. The shim adds the attribute
-  (``None``: DTensor's default) and drops the keyword where the installed torch lacks it.
+  ``expand_to_full_mesh_op_strategy``; both arrived after 2.11. :func:`torch_patched_for_autoparallel`
+  adds the attribute (``None``: DTensor's default) and drops the keyword where the installed
+  torch lacks it, and puts both back on exit (on torch 2.13 it changes nothing).
 - CPU meshes and H200s: AutoParallel's compute model looks the device name up in its table of
   peak FLOP/s (which has "H100" but not "H200"); :func:`device_name_for_cost_model` makes it see
   an H100, so estimates use H100 peaks.
@@ -28,21 +29,39 @@ def autoparallel_available() -> bool:
     return True
 
 
-def patch_autoparallel_for_torch() -> None:
+@contextlib.contextmanager
+def torch_patched_for_autoparallel():
+    """Within the block, torch has the two names AutoParallel's head needs (see the module
+    docstring); on exit, whatever was patched is restored. Patches only what is missing, so
+    nesting is harmless."""
     from torch.distributed.tensor._ops import single_dim_strategy as sds
     import torch.distributed.tensor._ops.utils as utils
 
-    if not hasattr(sds._SingleDimStrategyInfo, "allow_uneven_sharding"):
-        sds._SingleDimStrategyInfo.allow_uneven_sharding = None
-    original = utils.expand_to_full_mesh_op_strategy
-    if "allow_uneven_sharding" not in inspect.signature(original).parameters and not getattr(
-        original, "_doc_packed_shim", False
-    ):
-        def expand(*args, allow_uneven_sharding=None, **kwargs):
-            return original(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        if not hasattr(sds._SingleDimStrategyInfo, "allow_uneven_sharding"):
+            stack.enter_context(
+                patch.object(sds._SingleDimStrategyInfo, "allow_uneven_sharding", None, create=True)
+            )
+        original = utils.expand_to_full_mesh_op_strategy
+        if "allow_uneven_sharding" not in inspect.signature(original).parameters:
+            def expand(*args, allow_uneven_sharding=None, **kwargs):
+                return original(*args, **kwargs)
 
-        expand._doc_packed_shim = True
-        utils.expand_to_full_mesh_op_strategy = expand
+            stack.enter_context(patch.object(utils, "expand_to_full_mesh_op_strategy", expand))
+        yield
+
+
+_FOR_THE_PROCESS = contextlib.ExitStack()  # never closed: see patch_autoparallel_for_torch
+
+
+def patch_autoparallel_for_torch() -> None:
+    """:func:`torch_patched_for_autoparallel` for the rest of this process, never undone.
+
+    The plain-call form, for code that needs the shims for the life of its process:
+    bench/bench_e2e.py's ``worker`` (a spawned rank) and bench/bench_emulate.py's main call it
+    once. Tests use the context manager, which undoes what it did.
+    """
+    _FOR_THE_PROCESS.enter_context(torch_patched_for_autoparallel())
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ap_compat import autoparallel_available, device_name_for_cost_model, gpus_per_host, patch_autoparallel_for_torch
+from ap_compat import autoparallel_available, device_name_for_cost_model, gpus_per_host, torch_patched_for_autoparallel
 
 if not autoparallel_available():
     pytest.skip(
@@ -24,18 +24,26 @@ if not autoparallel_available():
 import doc_packed as dp  # noqa: E402
 from doc_packed.ops import arg_index  # noqa: E402
 from ap_cases import ap_train  # noqa: E402
-from dist_utils import run_ranks  # noqa: E402
 from doc_packed.examples import Transformer  # noqa: E402
 from shardings.autoparallel import describe_attention, lower_context_parallel  # noqa: E402
+
+# every test here traces and solves a model with AutoParallel: 3 s to 5 min each on 2 CPU cores
+pytestmark = [pytest.mark.autoparallel, pytest.mark.slow]
 
 BIG = dict(vocab=32000, dim=4096, n_heads=32, n_kv_heads=8, n_layers=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fake_world():
+def torch_shims():
+    """torch patched for AutoParallel's head (ap_compat) while this module runs, restored after."""
+    with torch_patched_for_autoparallel():
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world(torch_shims):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    patch_autoparallel_for_torch()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     yield
     dist.destroy_process_group()
@@ -171,14 +179,16 @@ E2E_LAYOUTS = [
 
 @pytest.mark.parametrize("compile_backend", ["eager", "auto"])
 @pytest.mark.parametrize("mesh,names,inputs,force", E2E_LAYOUTS, ids=["dp", "cp", "dp_cp", "cp_tp"])
-def test_end_to_end_training_matches_single_process(mesh, names, inputs, force, compile_backend):
+def test_end_to_end_training_matches_single_process(run_ranks, mesh, names, inputs, force, compile_backend):
     """The placed module, eager and compiled (compile_placed's default path), trains to the
     one-process float64 losses and parameters; compiled, one graph serves every layout."""
     world = 1
     for n in mesh:
         world *= n
+    # 4 ranks each tracing, solving and compiling take about 5 minutes on 2 CPU cores
     results = run_ranks(
-        ap_train, world, mesh, names, inputs, inputs, E2E_CFG, E2E_BATCH, 3, 0.5, 32, force, compile_backend
+        ap_train, world, mesh, names, inputs, inputs, E2E_CFG, E2E_BATCH, 3, 0.5, 32, force, compile_backend,
+        timeout=900,
     )
     for r in results:
         assert r["loss_err"] < 1e-10, r["losses"]

@@ -6,7 +6,6 @@ import pytest
 
 from conftest import random_lengths
 from cp_cases import cp_parity, mismatch
-from dist_utils import run_ranks
 
 
 def _cases(world):
@@ -26,8 +25,8 @@ def _cases(world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_cp_matches_oracle(world):
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_cp_matches_oracle(run_ranks, world):
     results = run_ranks(cp_parity, world, _cases(world))
     for rank, errs in enumerate(results):
         for i, (err, _) in enumerate(errs):
@@ -37,8 +36,9 @@ def test_cp_matches_oracle(world):
     assert (True, True) in paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cu_seqlens", "mask", "shard_length", "invalid_on_one_rank"])
-def test_cp_disagreement_raises_on_every_rank(kind):
+def test_cp_disagreement_raises_on_every_rank(run_ranks, kind):
     errors = run_ranks(mismatch, 2, kind)
     assert all(e is not None for e in errors), errors
     if kind in ("cu_seqlens", "mask"):
@@ -49,7 +49,8 @@ def test_cp_disagreement_raises_on_every_rank(kind):
         assert "past the sequence length" in errors[1] and "rejected their inputs" in errors[0]
 
 
-def test_cp_call_compiles_without_graph_break():
+@pytest.mark.slow
+def test_cp_call_compiles_without_graph_break(run_ranks):
     from cp_cases import compiled_cp
 
     for errors in run_ranks(compiled_cp, 2):

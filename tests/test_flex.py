@@ -110,6 +110,7 @@ def test_block_tables_context_parallel_shape(causal, left, right):
     _check_tables(VarlenSpec(cu_q, cu_k, causal, left, right))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),

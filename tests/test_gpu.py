@@ -15,7 +15,7 @@ import torch
 import doc_packed as dp
 from gpu_parity import HEADS, MASKS, layouts, parity_errors, rel
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _fa4_reason() -> str | None:

@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 import shardings  # noqa: F401  (registers the rules these tests read)
 from cp_cases import dtensor_parity
-from dist_utils import run_ranks
 
 R, B, H, Q = "replicate", "batch", "heads", "sequence"
 
@@ -113,7 +112,7 @@ def _placements(*names):
 BASE = dict(lengths=[[40, 3, 1, 20], [64]], S=64, Hq=4, Hkv=2, D=8)
 
 
-def test_dtensor_execution_world2_1d():
+def test_dtensor_execution_world2_1d(run_ranks):
     cases = [
         dict(BASE, causal=c, window=w, placements=_placements(p))
         for p in "RBHS"
@@ -125,7 +124,8 @@ def test_dtensor_execution_world2_1d():
             assert out_pl == case["placements"] and grad_pl == case["placements"]
 
 
-def test_dtensor_execution_world4_2d():
+@pytest.mark.slow
+def test_dtensor_execution_world4_2d(run_ranks):
     combos = ["BH", "HB", "BS", "SB", "SH", "HS", "RS", "SR", "BR", "RH"]
     cases = [dict(BASE, causal=True, window=(7, 0), placements=_placements(*c)) for c in combos]
     for rank_report in run_ranks(dtensor_parity, 4, (2, 2), ("a", "b"), cases):
