@@ -4,6 +4,8 @@ This package holds the op, its kernels and context parallelism; it never imports
 :mod:`shardings`. DTensor and AutoParallel need the sharding rules: ``import shardings`` once.
 """
 
+__version__ = "0.1.0"  # the package's version (pyproject reads it from here)
+
 from . import ops  # noqa: F401  (registers torch.ops.doc_packed.*)
 from .api import doc_packed_attn, planning
 from .cp import ContextParallelPlan, plan_context_parallel

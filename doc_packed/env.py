@@ -2,7 +2,8 @@
 
 ``python -m doc_packed.env`` prints torch's version, the device, and per backend whether it
 is usable here (for a bf16, head dim 128, GQA 4:1 probe) or why not, e.g.
-``fa4: not usable: needs the flash-attn-4 package (pip install 'doc-packed[fa4]')``.
+``fa4: not usable: needs the flash-attn-4 package (pip install 'doc-packed[fa4]')``, and
+whether AutoParallel imports (with the real import error when it does not).
 :func:`backend_for` answers the same for real inputs: the backend ``doc_packed_attn`` runs.
 """
 
@@ -15,7 +16,12 @@ import torch
 from . import kernels
 from ._checks import check_qkv, check_window
 
-__all__ = ["backend_for", "backend_reasons", "report"]
+__all__ = ["autoparallel_status", "backend_for", "backend_reasons", "report"]
+
+AUTOPARALLEL_HINT = (
+    "pip install -e '.[autoparallel]' and AutoParallel from its git repository, "
+    "github.com/meta-pytorch/autoparallel (README, Install); the PyPI package named autoparallel is unrelated"
+)
 
 
 def backend_for(
@@ -66,15 +72,32 @@ def _package_line() -> str:
     return f"{fa4.PACKAGE}: not installed ({fa4.INSTALL_HINT})"
 
 
+def autoparallel_status() -> tuple[bool, str]:
+    """Whether AutoParallel and its solver (pulp) import here, and a line that says so: where it
+    was found, or the import's own error (e.g. a missing NumPy, or the unrelated PyPI package)."""
+    try:
+        import autoparallel
+        import autoparallel.api  # noqa: F401
+        import pulp
+    except Exception as err:  # any import failure is the answer, not a crash of the report
+        return False, f"AutoParallel: does not import: {type(err).__name__}: {err} ({AUTOPARALLEL_HINT})"
+    where = getattr(autoparallel, "__file__", None) or "?"
+    return True, f"AutoParallel: imports ({where}; pulp {getattr(pulp, '__version__', '?')})"
+
+
 def report() -> str:
     """The text ``python -m doc_packed.env`` prints."""
-    lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda})"]
+    from . import __version__
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    lines = [f"doc-packed {__version__}, torch {torch.__version__} ({cuda})"]
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         lines.append(f"device: {torch.cuda.get_device_name()}, compute capability {major}.{minor}")
     else:
         lines.append("device: cpu (no CUDA device)")
     lines.append(_package_line())
+    lines.append(autoparallel_status()[1])
     why = backend_reasons()
     lines.append("backends for bf16, head dim 128, GQA 4:1 (auto tries them in this order):")
     for name, reason in why.items():
