@@ -17,9 +17,11 @@ import sys
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# cu_seqlens is int32, so no row, document or window is longer than this; GPU kernels take
-# windows and lengths as 32-bit ints, so a larger value would wrap instead of failing
+# GPU kernels take cu_seqlens, windows and lengths as 32-bit ints, so no row, document or window
+# is longer than this (an int64 cu_seqlens is accepted, its values must fit); a larger value
+# would wrap instead of failing
 INT32_MAX = 2**31 - 1
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
 
 
 def _is_int(x: object) -> bool:
@@ -44,12 +46,12 @@ def describe(x: object) -> str:
 
 
 def check_length(name: str, value: object) -> int:
-    """A token count (``seq_len``): an int in ``[1, 2**31 - 1]`` (cu_seqlens is int32)."""
+    """A token count (``seq_len``): an int in ``[1, 2**31 - 1]`` (kernels take 32-bit lengths)."""
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {describe(value)}")
     assert isinstance(value, int)
     if not 1 <= value <= INT32_MAX:
-        raise ValueError(f"{name} must be in [1, 2**31 - 1] (cu_seqlens is int32), got {value}")
+        raise ValueError(f"{name} must be in [1, 2**31 - 1] (kernels take 32-bit lengths), got {value}")
     return value
 
 
@@ -111,11 +113,12 @@ def _(like, kind, message):
 
 
 def check_cu_seqlens(cu_seqlens: object) -> torch.Tensor:
-    """A ``[B, MAX_DOCS + 1]`` int32 tensor with ``B >= 1`` and ``MAX_DOCS >= 1`` (its values are
-    checked by :mod:`doc_packed._doc_layout`)."""
+    """A ``[B, MAX_DOCS + 1]`` int32 or int64 tensor with ``B >= 1`` and ``MAX_DOCS >= 1`` (its
+    values are checked by :mod:`doc_packed._doc_layout`, which also converts int64 once per
+    layout)."""
     cu = _check_tensor("cu_seqlens", cu_seqlens)
-    if cu.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32, got {cu.dtype}")
+    if cu.dtype not in CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu.dtype}")
     if cu.dim() != 2 or cu.shape[1] < 2 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be [B, MAX_DOCS + 1] with B >= 1 and MAX_DOCS >= 1, got {tuple(cu.shape)}")
     return cu
@@ -137,8 +140,8 @@ def check_window(causal: bool, window_size: object) -> tuple[int, int]:
         raise ValueError(f"window_size={(left, right)}: each side must be >= 0, or -1 for unbounded")
     if left > INT32_MAX or right > INT32_MAX:
         raise ValueError(
-            f"window_size={(left, right)}: each side must be at most 2**31 - 1 (cu_seqlens is int32, "
-            "so no document is longer); use -1 for unbounded"
+            f"window_size={(left, right)}: each side must be at most 2**31 - 1 (no document is "
+            "longer: kernels take 32-bit lengths); use -1 for unbounded"
         )
     if causal and right > 0:
         raise ValueError(
@@ -148,8 +151,13 @@ def check_window(causal: bool, window_size: object) -> tuple[int, int]:
     return left, (0 if causal else right)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Ranks, shapes, dtypes, devices and memory layout of the four tensors."""
+def check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *, shard: bool = False
+) -> None:
+    """Ranks, shapes, dtypes, devices and memory layout of the four tensors. Any strides with a
+    contiguous head dim: ``[B, H, S, D].transpose(1, 2)`` (SDPA's and flex's layout) is taken as
+    it lies when ``B == 1`` and copied once per pass when the batch and sequence dims cannot
+    merge into one token dim (docs/kernels.md)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -165,7 +173,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
-    if B == 0 or S == 0 or Hq == 0 or D == 0:
+    if B == 0 or (S == 0 and not shard) or Hq == 0 or D == 0:  # a CP shard may be empty
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
@@ -182,14 +190,50 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
                 f"{name} has stride {t.stride()}: the head dim must be contiguous (stride 1); "
                 f"call .contiguous() on {name}"
             )
-        if t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
-            raise ValueError(
-                f"{name} has stride {t.stride()}: batch and sequence dims must be mergeable into "
-                f"one token dim (stride(0) == S * stride(1)); call .contiguous() on {name}"
-            )
     check_cu_seqlens(cu_seqlens)
     if cu_seqlens.shape[0] != B:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
+
+
+def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen: object) -> None:
+    """The shape rules of the packed (varlen) entry: ``q [T, H_q, D]``, ``k``/``v [T, H_kv, D]``,
+    ``cu_seqlens [N + 1]`` int32/int64, ``max_seqlen`` an int or None. Dtypes, devices and
+    strides are then :func:`check_qkv`'s (on the one-row views)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        _check_tensor(name, t)
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    assert isinstance(cu_seqlens, torch.Tensor)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D packed [T, H, D], got shape {tuple(t.shape)} "
+                "(rows [B, S, H, D] go to doc_packed_attn)"
+            )
+    T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != T:
+        raise ValueError(f"k and v hold {k.shape[0]} tokens but q holds {T}; one cu_seqlens serves q and k/v")
+    if k.shape[2] != D:
+        raise ValueError(f"k's head dim {k.shape[2]} must equal q's head dim {D}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
+    if T == 0 or Hq == 0 or D == 0:
+        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [N + 1] with N >= 1 documents, got shape {tuple(cu_seqlens.shape)} "
+            "(a [B, MAX_DOCS + 1] layout of rows goes to doc_packed_attn)"
+        )
+    if max_seqlen is not None:
+        if not _is_int(max_seqlen):
+            raise TypeError(f"max_seqlen must be an int or None, got {describe(max_seqlen)}")
+        assert isinstance(max_seqlen, int)
+        if not 1 <= max_seqlen <= INT32_MAX:
+            raise ValueError(f"max_seqlen must be in [1, 2**31 - 1], got {max_seqlen}")
 
 
 def check_scale(scale: object, head_dim: int) -> float:

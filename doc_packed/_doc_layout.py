@@ -4,7 +4,7 @@ The cache may never describe values other than the ones a call passes, and never
 values through. How it knows the values without reading them every call depends on the device:
 
 - **CPU tensors are keyed on their values** (dtype, shape and bytes: ``B x (MAX_DOCS + 1)``
-  int32, read and hashed every call, no device sync). Every way of writing a CPU tensor (in
+  int32 or int64, read and hashed every call, no device sync). Every way of writing a CPU tensor (in
   place, under ``torch.inference_mode()``, through ``.data``, a NumPy or DLPack view, its
   storage) changes the key, so a cached entry always describes the values passed.
 - **Other devices** (CUDA) would need a device sync to read the values, so a tensor is keyed on
@@ -17,7 +17,10 @@ values through. How it knows the values without reading them every call depends 
 
 Whatever the key, values are validated before an entry is made, and only validated values have
 entries, so a hit is always a valid layout. Layouts are shared by value: two tensors with the
-same boundaries share one :class:`DocLayout` and everything memoised on it.
+same boundaries share one :class:`DocLayout` and everything memoised on it, whatever their
+dtype. An int64 ``cu_seqlens`` is converted here, once per layout: validation bounds its values
+by the row length (at most ``2**31 - 1``), and everything the kernels read (device offsets,
+plans) is built from the layout's host ints as int32, so no layer converts or syncs.
 
 Anything derived from the layout that layers can share (flattened offsets on the device, block
 bounds for the CPU kernel, context-parallel plans) hangs off :meth:`DocLayout.derived`, a
@@ -33,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _compat
+from ._checks import INT32_MAX
 
 _T = TypeVar("_T")
 _CACHE_SIZE = 32  # layouts (by value) and CUDA tensors (by identity), each least recently used first out
@@ -84,6 +88,8 @@ def cp_degree(local_len: int, seq_len: int) -> int:
 
 def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
     """Raise ValueError naming the first row and rule that ``cu_seqlens`` breaks."""
+    if seq_len > INT32_MAX:  # an int64 cu_seqlens may say so; kernels take 32-bit offsets
+        raise ValueError(f"cu_seqlens rows end at {seq_len}, past 2**31 - 1 (kernels take 32-bit offsets)")
     for b, row in enumerate(bounds):
         if row[0] != 0:
             raise ValueError(f"cu_seqlens[{b}] must start at 0, got {row[0]}")
@@ -133,7 +139,15 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
         return layout
     bounds = host.to(torch.int64).tolist()
     validate_bounds(bounds, seq_len)
-    layout = DocLayout(bounds, seq_len)
+    layout = None
+    if host.dtype != torch.int32:  # valid values fit int32: share the int32 twin's layout
+        twin = _values_key(host.to(torch.int32), seq_len)
+        layout = _layouts.get(twin)
+        if layout is None:
+            layout = DocLayout(bounds, seq_len)
+            _lru_put(_layouts, twin, layout)
+    if layout is None:
+        layout = DocLayout(bounds, seq_len)
     _lru_put(_layouts, key, layout)
     return layout
 

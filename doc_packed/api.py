@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from . import _compat, kernels
 from ._checks import INT32_MAX, argument_error, check_length, check_qkv, check_scale, check_window, describe
+from ._doc_layout import get_layout
 
 __all__ = ["doc_packed_attn", "planning"]
 
@@ -81,7 +82,7 @@ def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens
 
 
-def _is_dtensor(x: object) -> bool:
+def is_dtensor(x: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(x, DTensor)
@@ -90,7 +91,7 @@ def _is_dtensor(x: object) -> bool:
 def _validated(q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len):
     """Every per-call rule of :func:`doc_packed_attn` (metadata only; the op checks the values of
     ``cu_seqlens``): ``(left, right, scale, seq_len, group_name, doc_len, cp_dim)`` for the op."""
-    check_qkv(q, k, v, cu_seqlens)
+    check_qkv(q, k, v, cu_seqlens, shard=cp_group is not None)
     left, right = check_window(causal, window_size)
     scale = check_scale(scale, q.shape[-1])
     if not torch.compiler.is_compiling():  # the op checks again when it runs (compiled too)
@@ -157,23 +158,73 @@ def doc_packed_attn(
     Returns:
         ``out`` ``[B, S, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
     """
+    return attention(
+        q, k, v, cu_seqlens, causal, window_size, scale, return_lse, backend, cp_group, seq_len, planning_doc_len
+    )
+
+
+def attention(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    causal,
+    window_size,
+    scale,
+    return_lse,
+    backend,
+    cp_group,
+    seq_len,
+    planning_doc_len,
+    max_seqlen=None,
+):
+    """:func:`doc_packed_attn`'s body, shared with :func:`doc_packed.doc_packed_attn_varlen`
+    (which passes its packed tensors as one row and its ``max_seqlen``)."""
     try:
         left, right, scale, seq_len, group_name, doc_len, cp_dim = _validated(
             q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len
         )
     except (TypeError, ValueError) as err:
-        if not torch.compiler.is_compiling() or _is_dtensor(q):
+        if not torch.compiler.is_compiling() or is_dtensor(q):
+            if cp_group is not None and not torch.compiler.is_compiling():
+                from .cp.attention import reject
+
+                reject(cp_group, err)  # the group's other ranks raise too, instead of waiting
             raise
-        # torch.compile(fullgraph=True) would turn the raise into a dynamo ``Unsupported``: put
-        # the error into the graph instead, so the compiled call raises it, before any kernel
-        out, lse = argument_error(
-            q if isinstance(q, torch.Tensor) else torch.empty(0),
-            "TypeError" if isinstance(err, TypeError) else "ValueError",
-            err.args[0],
-        )
-        return (out, lse) if return_lse else out
+        return in_graph_error(q, err, return_lse)
+    if max_seqlen is not None and not torch.compiler.is_compiling():
+        check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = torch.ops.doc_packed.attn_fwd(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim
     )
     return (out, lse) if return_lse else out
+
+
+def in_graph_error(q: object, err: Exception, return_lse: bool):
+    """Under torch.compile(fullgraph=True) a raise would become a dynamo ``Unsupported``: put the
+    error into the graph instead, so the compiled call raises it, before any kernel."""
+    out, lse = argument_error(
+        q if isinstance(q, torch.Tensor) else torch.empty(0),
+        "TypeError" if isinstance(err, TypeError) else "ValueError",
+        err.args[0],
+    )
+    return (out, lse) if return_lse else out
+
+
+def check_max_seqlen(cu_seqlens: torch.Tensor, seq_len: int, max_seqlen: int) -> None:
+    """``max_seqlen`` must bound the longest document (read from the cached layout: no sync once
+    the layout is known; a DTensor ``cu_seqlens`` is checked when it is replicated)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(cu_seqlens, DTensor):
+        if any(p != Replicate() for p in cu_seqlens.placements):
+            return  # each shard is checked by the op; the bound needs every row
+        cu_seqlens = cu_seqlens.to_local()
+    layout = get_layout(cu_seqlens, seq_len)
+    longest = layout.derived(("longest_doc",), lambda: max((e - s for row in layout.rows for s, e in row), default=0))
+    if max_seqlen < longest:
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is smaller than the longest document in cu_seqlens ({longest} tokens); "
+            "pass an upper bound of the document lengths (flash-attention would read past it)"
+        )

@@ -13,7 +13,13 @@ sequence   Shard(1) (context parallel)            Shard(2)                    Re
 
 A strategy is one kind per mesh dim, offered only when it divides evenly: the batch size by the
 product of the batch dims, ``H_q`` *and* ``H_kv`` by the product of the head dims (so GQA groups
-stay whole), ``S`` by the sequence dim; at most one mesh dim shards the sequence.
+stay whole), ``S`` by the sequence dim; at most one mesh dim shards the sequence. One exception:
+when ``q`` already arrives ``Shard(1)`` on a mesh dim (eager DTensor: the caller's placement),
+the sequence kind stays offered there for any ``S``: DTensor's uneven shards are ``torch.chunk``'s,
+which is what context parallelism takes (``seq_len`` is the global length). Solvers
+(AutoParallel, where every input has many candidate placements) are offered even shards only.
+A ``Shard(1)`` that no strategy keeps raises in :mod:`shardings.dtensor` instead of being
+re-placed.
 
 The rules go through DTensor's own registry (``register_op_strategy``, the layer that
 ``register_sharding`` wraps): eager DTensor dispatch and AutoParallel's solver both read it.
@@ -72,9 +78,11 @@ def offered_kinds(
     q_heads: int,
     kv_heads: int,
     sequence_dims: Collection[int] | None = None,
+    uneven_sequence_dims: Collection[int] = (),
 ) -> list[tuple[str, ...]]:
     """Every per-mesh-dim kind assignment offered for these global sizes (the sequence only on
-    ``sequence_dims`` when given)."""
+    ``sequence_dims`` when given; on ``uneven_sequence_dims`` also when the dim does not divide
+    ``seq_len``)."""
     offered = []
     for kinds in itertools.product(KINDS, repeat=len(mesh_shape)):
         size = {kind: math.prod(n for n, k in zip(mesh_shape, kinds) if k == kind) for kind in KINDS}
@@ -84,7 +92,9 @@ def offered_kinds(
             continue
         if batch % size["batch"] or q_heads % size["heads"] or kv_heads % size["heads"]:
             continue
-        if seq_len % size["sequence"]:
+        if seq_len % size["sequence"] and not any(
+            k == "sequence" and d in uneven_sequence_dims for d, k in enumerate(kinds)
+        ):
             continue
         offered.append(kinds)
     return offered
@@ -122,6 +132,15 @@ def _sequence_dims(mesh, cp_dim: object) -> list[int] | None:
     return [names.index(cp_dim)]
 
 
+def _arriving_sequence_dims(inputs: Sequence[OpStrategy], op: object) -> list[int]:
+    """The mesh dims on which ``q`` arrives ``Shard(1)`` when its placement is given (one
+    candidate: eager DTensor dispatch); none while a solver weighs many."""
+    q = inputs[arg_index(op, "q")]
+    if len(q.strategies) != 1:
+        return []
+    return [d for d, p in enumerate(q.strategies[0].output_spec.placements) if p == _S1]
+
+
 def _strategy(op_schema: OpSchema) -> OpStrategy:
     op = op_schema.op
     table = FWD if op is torch.ops.doc_packed.attn_fwd.default else BWD
@@ -139,7 +158,7 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
     in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
     sequence_dims = _sequence_dims(mesh, _static_arg(op_schema, "planning_cp_dim"))
     specs = []
-    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv, sequence_dims):
+    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv, sequence_dims, _arriving_sequence_dims(inputs, op)):
         outs = [
             DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(out_metas)
         ]

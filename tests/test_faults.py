@@ -505,7 +505,7 @@ TENSOR_ERRORS = [
     ),
     (lambda q, k, v, cu: (q[:, :, :3], k, v, cu), ValueError, "q has 3 heads and k/v have 2"),
     (lambda q, k, v, cu: (q.int(), k, v, cu), TypeError, "q has dtype torch.int32"),
-    (lambda q, k, v, cu: (q, k, v, cu.long()), TypeError, "cu_seqlens must be int32, got torch.int64"),
+    (lambda q, k, v, cu: (q, k, v, cu.float()), TypeError, "cu_seqlens must be int32 or int64, got torch.float32"),
     (
         lambda q, k, v, cu: (q, k, v, cu[:, :1]),
         ValueError,
@@ -585,9 +585,9 @@ PLAN_ERRORS = [
     (
         dict(cu=torch.tensor([[0, 30, 64]], dtype=torch.float32)),
         TypeError,
-        "cu_seqlens must be int32, got torch.float32",
+        "cu_seqlens must be int32 or int64, got torch.float32",
     ),
-    (dict(cu=torch.tensor([[0, 30, 64]], dtype=torch.int64)), TypeError, "cu_seqlens must be int32, got torch.int64"),
+    (dict(cu=torch.tensor([[0, 30, 2**40]], dtype=torch.int64)), ValueError, "rows end at 1099511627776, past 2**31 - 1"),
     (dict(cu=torch.zeros(0, 3, dtype=torch.int32)), ValueError, "with B >= 1 and MAX_DOCS >= 1, got (0, 3)"),
     (dict(cu=[[0, 30.5, 64]]), TypeError, "cu_seqlens must be a tensor or rows of ints, got [a list]"),
     (dict(cu=[[0, True, 64]]), TypeError, "cu_seqlens must hold ints, not bools"),

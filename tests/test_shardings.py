@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardings  # noqa: F401  (registers the rules these tests read)
+from api_cases import sequence_not_kept, uneven_sequence
 from cp_cases import dtensor_parity
 
 R, B, H, Q = "replicate", "batch", "heads", "sequence"
@@ -151,3 +152,40 @@ def test_registration_survives_torchs_context_parallel_mode():
     finally:
         torch_cp._disable_cp_dtensor_dispatcher()
     assert op in handlers()
+
+
+def test_uneven_sequence_offered_only_where_q_arrives_sharded():
+    from shardings.strategies import offered_kinds
+
+    assert (Q,) not in offered_kinds((2,), 2, 63, 4, 2)  # a solver: even shards only
+    assert (Q,) in offered_kinds((2,), 2, 63, 4, 2, uneven_sequence_dims=(0,))
+    assert (Q, R) in offered_kinds((2, 2), 2, 63, 4, 2, uneven_sequence_dims=(0,))
+    assert (R, Q) not in offered_kinds((2, 2), 2, 63, 4, 2, uneven_sequence_dims=(0,))
+
+
+@pytest.mark.parametrize("S", [63, 33])
+def test_uneven_shard1_runs_context_parallel(run_ranks, S):
+    """S odd on 2 ranks: the call stays Shard(1) (torch.chunk shards, context parallel), exact."""
+    from torch.distributed.tensor import Shard
+
+    reports = run_ranks(uneven_sequence, 2, S, "S", (2,))
+    for rank, (err, out_pl, grad_pl, local) in enumerate(reports):
+        assert err < 1e-10
+        assert out_pl == grad_pl == (Shard(1),)
+        assert local == len(torch.arange(S).chunk(2)[rank])
+
+
+@pytest.mark.slow
+def test_uneven_shard1_with_an_empty_rank(run_ranks):
+    """S=5 over 4 ranks: torch.chunk gives 2, 2, 1 and 0 tokens; still context parallel."""
+    from torch.distributed.tensor import Shard
+
+    reports = run_ranks(uneven_sequence, 4, 5, "S", (4,))
+    assert [r[3] for r in reports] == [2, 2, 1, 0]
+    for err, out_pl, grad_pl, _ in reports:
+        assert err < 1e-10 and out_pl == grad_pl == (Shard(1),)
+
+
+def test_sequence_placement_not_kept_raises(run_ranks):
+    for msg in run_ranks(sequence_not_kept, 2):
+        assert msg is not None and "q is sequence-sharded (Shard(1)) on mesh dim 'b' (size 2)" in msg

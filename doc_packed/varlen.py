@@ -1,0 +1,82 @@
+"""``doc_packed_attn_varlen``: flash-attention's varlen convention (packed ``[T, H, D]`` tokens,
+1-D ``cu_seqlens``, ``max_seqlen``) over the same op as :func:`doc_packed.doc_packed_attn`.
+
+The packed tensors are viewed as one row (``[1, T, H, D]`` and ``cu_seqlens [1, N + 1]``, no
+copy), so validation, kernels, the custom ops, context parallelism and the DTensor strategies are
+the ones :func:`~doc_packed.doc_packed_attn` uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from ._checks import check_varlen
+
+__all__ = ["doc_packed_attn_varlen"]
+
+
+def doc_packed_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    cp_group: dist.ProcessGroup | str | None = None,
+    seq_len: int | None = None,
+    planning_doc_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Document-packed attention on packed tokens, as ``flash_attn_varlen_func`` takes them.
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` (self-attention: one ``cu_seqlens`` for
+            queries and keys). Any strides with a contiguous head dim.
+        cu_seqlens: ``[N + 1]`` int32 or int64 document boundaries: starts at 0,
+            non-decreasing (zero-length documents allowed), ends at ``T``.
+        max_seqlen: an upper bound of the document lengths, as flash-attention takes it. It is
+            checked (ValueError when a document is longer; flash-attention would read past
+            it) and not otherwise used: kernels read the exact lengths from the cached layout.
+            ``None`` skips the check; under ``torch.compile`` it is skipped (no values).
+        causal, window_size, scale, backend, planning_doc_len: as :func:`doc_packed_attn`
+            (``window_size=(left, right)``; ``right > 0`` with ``causal=True`` raises).
+        return_lse: also return the natural-log lse ``[H_q, T]`` (flash-attention's varlen
+            layout; float32, float64 for float64 inputs).
+        cp_group, seq_len: context parallelism as :func:`doc_packed_attn`: ``q/k/v`` are this
+            rank's ``torch.chunk`` of the ``T`` tokens, ``cu_seqlens`` the whole sequence's.
+
+    Under DTensor, ``Shard(0)`` of ``T`` is the sequence placement (context parallel),
+    ``Shard(1)`` the heads, ``Replicate`` both; ``cu_seqlens`` is replicated.
+
+    Returns:
+        ``out [T, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
+    """
+    try:
+        check_varlen(q, k, v, cu_seqlens, max_seqlen)
+    except (TypeError, ValueError) as err:
+        if not torch.compiler.is_compiling() or api.is_dtensor(q):
+            raise
+        return api.in_graph_error(q, err, return_lse)
+    result = api.attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        cu_seqlens.unsqueeze(0),
+        causal,
+        window_size,
+        scale,
+        True,
+        backend,
+        cp_group,
+        seq_len,
+        planning_doc_len,
+        max_seqlen,
+    )
+    out, lse = result[0].squeeze(0), result[1].squeeze(0)
+    return (out, lse) if return_lse else out
