@@ -1,6 +1,6 @@
 """End-to-end demo: context-parallel training of a small transformer on packed documents.
 
-    python -m doc_packed.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3]
+    python -m doc_packed.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3] [--free] [--out DIR]
 
 Spawns CPU processes with a gloo group, packs random documents of arbitrary lengths into rows,
 and trains a small transformer whose attention runs context parallel (each rank holds a
@@ -8,18 +8,28 @@ and trains a small transformer whose attention runs context parallel (each rank 
 chooses the attention layout; otherwise the demo shards the sequence itself. A one-process run
 of the same model on the same data is the reference. The placed model is compiled (for
 AutoParallel's module: :func:`shardings.compile.compile_placed`, which says which compiler it
-used and why; ``--eager`` skips compilation). The report gives the layout, the compiler, the plan's
-per-rank work balance and K/V traffic against all-gather, loss and parameter parity, and time.
+used and why; ``--eager`` skips compilation). The report gives the layout, the compiler, loss
+and parameter parity and time; when attention is sequence-sharded, the plan's per-rank attention
+work (query-key pairs) and K/V traffic against all-gather; with ``--free``, when AutoParallel
+chooses another layout, its estimate for each layout it considered and the row length from which
+the sequence placement would win by our cost formulas. ``--out DIR`` writes the context-parallel
+figures as PNGs (needs matplotlib).
+
+The report is a list of sections (:data:`SECTIONS`), each a function of the run's
+:class:`Result` returning its lines: a new figure is one more function.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import random
 import socket
 import sys
 import time
+from typing import Any
 from unittest.mock import patch
 
 import torch
@@ -35,6 +45,15 @@ MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+@contextlib.contextmanager
+def progress(say, what: str):
+    """A line before a step that can take a while, and its time after it."""
+    say(f"      {what}...")
+    t0 = time.perf_counter()
+    yield
+    say(f"      {what}: {time.perf_counter() - t0:.1f} s")
 
 
 def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -70,12 +89,25 @@ def reference(batches, lr: float):
     return init, losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def _autoparallel_model(args, mesh, batches, init):
-    """AutoParallel places the model; returns (module, layout words, input placements)."""
+@dataclasses.dataclass
+class Placed:
+    """What placing the model gave: the module to train and how it was placed."""
+
+    model: Any  # a module, or torch.compile of one
+    layout: str  # the attention layout in words, and who chose it
+    compiled_with: str
+    sequence_sharded: bool  # attention runs context parallel
+    considered: list[str] = dataclasses.field(default_factory=list)  # --free: AutoParallel's estimates
+    break_even: str = ""  # --free, not sequence-sharded: where the sequence placement would win
+
+
+def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
+    """AutoParallel places the model (attention pinned to the sequence unless ``--free``)."""
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.compile import compile_placed
 
     B, S = args.batch, args.seq
     cu_host = batches[0][2]
@@ -85,41 +117,85 @@ def _autoparallel_model(args, mesh, batches, init):
 
     with torch.device("meta"):
         model = Transformer(**MODEL).double()
-    # AutoParallel's cost model looks up the device's peak FLOP/s by name; CPUs have none
-    with patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True):
-        with dp.planning(doc_len=args.mean_doc), AutoParallel(model, input_fn, mesh) as autop:
-            autop.add_input_constraints([(Shard(1),), (Replicate(),)])
-            autop.add_output_constraints([(Shard(1),)])
-            if not args.free:
-                # at demo sizes every op costs AutoParallel's 7 us floor, so its free choice says
-                # little; pin attention to context parallel and let it place everything else
-                force_attention_layout(autop, {"cp": "sequence"})
+    # AutoParallel's cost model looks up the device's peak FLOP/s by name; CPUs have none, so it
+    # prices this CPU run as H100s would run it
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True))
+        stack.enter_context(dp.planning(doc_len=args.mean_doc))
+        with progress(say, "tracing the model"):
+            autop = stack.enter_context(AutoParallel(model, input_fn, mesh))
+        autop.add_input_constraints([(Shard(1),), (Replicate(),)])
+        autop.add_output_constraints([(Shard(1),)])
+        if not args.free:
+            # at demo sizes every op costs AutoParallel's 7 us floor, so its free choice is
+            # replicate; pin attention to context parallel and let it place the rest
+            force_attention_layout(autop, {"cp": "sequence"})
+        with progress(say, "solving the placement (pulp)"):
             placement = autop.optimize_placement()
-            placement = lower_context_parallel(autop, placement)
-            choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=False)
+        placement = lower_context_parallel(autop, placement)
+        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=False, alternatives=args.free)
+        with progress(say, "applying the placement"):
             parallel = autop.apply_placement(placement)
+        sequence = any("sequence" in c.layout.values() for c in choices)
+        considered, break_even = [], ""
+        if args.free:
+            considered = _considered(choices)
+            if not sequence:
+                break_even = _break_even(args, mesh, S, sorted({c.layout["cp"] for c in choices}))
     parallel.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in parallel.named_parameters():
             p.to_local().copy_(distribute_tensor(init[name], mesh, p.placements).to_local())
     words = " | ".join(sorted({", ".join(f"{k}: {v}" for k, v in c.layout.items()) for c in choices}))
     how = "chosen by AutoParallel" if args.free else "pinned; the rest placed by AutoParallel"
-    from shardings.compile import compile_placed
-
     compiled, choice = compile_placed(parallel, "eager" if args.eager else "auto")
-    return compiled, f"{words} ({how})", str(choice)
+    return Placed(compiled, f"{words} ({how})", str(choice), sequence, considered, break_even)
 
 
-def _manual_cp_model(args, init):
+def _considered(choices) -> list[str]:
+    """Per attention role, AutoParallel's estimate of each layout it considered (one layer)."""
+    lines = []
+    for role in ("forward", "backward"):
+        c = next(c for c in choices if c.role == role)
+        for alt in c.alternatives:
+            where = ", ".join(f"{k}: {v}" for k, v in alt.layout.items())
+            lines.append(
+                f"{role:<8} {where:<14} {alt.compute_ms:.3f} ms compute + {alt.comm_ms:.3f} ms communication"
+                f" = {alt.total_ms:.3f} ms{'  <- chosen' if alt.chosen else ''}"
+            )
+    return lines
+
+
+def _break_even(args, mesh, S: int, chosen: list[str]) -> str:
+    """Where sequence-sharded attention would cost less than the chosen layout, by our formulas."""
+    from shardings.autoparallel import sequence_break_even
+
+    other = chosen[0]
+    heads = MODEL["n_heads"]
+    be = sequence_break_even(
+        mesh, 0, other, start=S, rows=args.batch, q_heads=heads, kv_heads=MODEL["n_kv_heads"],
+        head_dim=MODEL["dim"] // heads, dtype=torch.float64, doc_len=args.mean_doc,
+    )  # fmt: skip
+    if be.seq_len is None:
+        return f"sequence does not beat {other} below {be.limit:,} tokens per row"
+    return (
+        f"sequence beats {other} from about {be.seq_len:,} tokens per row ({args.batch} rows, documents of "
+        f"~{args.mean_doc} tokens, {mesh.size(0)} ranks): {be.sequence_ms:.3f} ms vs {be.other_ms:.3f} ms "
+        f"per layer forward + backward (our FLOP count and exchange pricing, 7 us floor, H100 peak)"
+    )
+
+
+def _manual_cp_model(args, init) -> Placed:
     """Without AutoParallel: replicated weights, sequence-sharded activations, CP attention."""
     model = Transformer(**MODEL).double()
     model.load_state_dict(init)
     for m in model.modules():
         if isinstance(m, Attention):
             m.cp_group = dist.group.WORLD
+    layout = "cp: sequence (manual placement)"
     if args.eager:
-        return model, "cp: sequence (manual placement)", "eager: asked for"
-    return torch.compile(model, fullgraph=True), "cp: sequence (manual placement)", "inductor: torch.compile"
+        return Placed(model, layout, "eager: asked for", True)
+    return Placed(torch.compile(model, fullgraph=True), layout, "inductor: torch.compile", True)
 
 
 def rank_main(rank: int, world: int, port: int, args):
@@ -136,25 +212,22 @@ def rank_main(rank: int, world: int, port: int, args):
         init, ref_losses, ref_final = reference(batches, args.lr)
         t_ref = time.perf_counter() - t0
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        installed = _has_autoparallel()
-        use_ap = installed and not args.no_autoparallel
+        why_not = _autoparallel_missing()
+        use_ap = why_not is None and not args.no_autoparallel
         if use_ap:
-            say("[2/4] AutoParallel: tracing and solving placements...")
-        elif installed:
+            say("[2/4] AutoParallel places the model" + (" (attention too: --free)" if args.free else ""))
+        elif why_not is None:
             say("[2/4] --no-autoparallel: sharding the sequence manually")
         else:
-            say(
-                "[2/4] AutoParallel is not installed (it is not on PyPI: install it from "
-                "github.com/meta-pytorch/autoparallel); sharding the sequence manually"
-            )
+            say(f"[2/4] {why_not}; sharding the sequence manually")
         t1 = time.perf_counter()
-        if use_ap:
-            model, layout, compiled_with = _autoparallel_model(args, mesh, batches, init)
-        else:
-            model, layout, compiled_with = _manual_cp_model(args, init)
+        placed = _autoparallel_model(args, mesh, batches, init, say) if use_ap else _manual_cp_model(args, init)
         t_plan = time.perf_counter() - t1
+        model = placed.model
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         losses, t2 = [], time.perf_counter()
+        if not args.eager:
+            say("[3/4] training; the first step compiles the model (a minute or more on CPU)...")
         chunk = lambda t: t.chunk(world, dim=1)[rank].contiguous()  # noqa: E731
         for step, (tokens, targets, cu) in enumerate(batches):
             logits = model(chunk(tokens), cu)
@@ -176,48 +249,158 @@ def rank_main(rank: int, world: int, port: int, args):
         }
         param_err = max((params[n] - ref_final[n]).abs().max().item() for n in params)
         if rank == 0:
-            plans = [dp.plan_context_parallel(cu, world) for _, _, cu in batches]
-            n_docs = int((batches[0][2].diff(dim=1) > 0).sum())
-            report(
-                args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train
+            result = Result(
+                args=args,
+                world=world,
+                placed=placed,
+                batches=batches,
+                plans=[dp.plan_context_parallel(cu, world) for _, _, cu in batches],
+                losses=losses,
+                ref_losses=ref_losses,
+                param_err=param_err,
+                times={"reference": t_ref, "placement": t_plan, "training": t_train},
             )
+            log("\n".join(report(result)))
+            if args.out:
+                log(write_plots(result, args.out))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _has_autoparallel() -> bool:
-    try:
-        import autoparallel.api  # noqa: F401
-        import pulp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _autoparallel_missing() -> str | None:
+    """None when AutoParallel imports, else why not (the import's own error)."""
+    from doc_packed.env import autoparallel_status
+
+    ok, line = autoparallel_status()
+    return None if ok else line
 
 
-def report(args, world, layout, compiled_with, plans, n_docs, losses, ref_losses, param_err, t_ref, t_plan, t_train):
-    p = plans[0]
-    all_gather = p.batch * (p.seq_len - p.seq_len // world)
-    loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    ok = loss_err < 1e-9 and param_err < 1e-9
-    lines = [
-        "",
-        "[4/4] report",
-        f"  ranks                {world} gloo processes (CPU); {args.batch} rows x {args.seq} tokens, "
-        f"{n_docs} documents in the first step",
-        f"  attention layout     {layout}",
-        f"  compiled with        {compiled_with}",
-        f"  work per rank        {list(p.work)}  (max/mean {p.imbalance:.3f}; first step)",
-        f"  K/V received / rank  {list(p.kv_recv_tokens)} tokens  (all-gather: {all_gather} each)",
-        f"  queries moved / rank {list(p.q_moved_tokens)}",
-        f"  loss parity          max |CP - one process| = {loss_err:.2e} over {len(losses)} steps "
-        f"(final loss {losses[-1]:.6f})",
-        f"  parameter parity     max |CP - one process| = {param_err:.2e} after {len(losses)} SGD steps (float64)",
-        f"  time                 reference {t_ref:.1f}s, placement {t_plan:.1f}s, training {t_train:.1f}s"
-        f"{'' if args.eager else ' (its first step compiles)'}",
-        f"  result               {'OK: context-parallel training matches one process' if ok else 'MISMATCH'}",
+@dataclasses.dataclass
+class Result:
+    """Everything the report and the plots read from one run."""
+
+    args: argparse.Namespace
+    world: int
+    placed: Placed
+    batches: list
+    plans: list  # per step, our plan for its cu_seqlens over the ranks
+    losses: list[float]
+    ref_losses: list[float]
+    param_err: float
+    times: dict[str, float]  # seconds
+
+    @property
+    def loss_err(self) -> float:
+        return max(abs(a - b) for a, b in zip(self.losses, self.ref_losses))
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_err < 1e-9 and self.param_err < 1e-9
+
+
+def _row(name: str, text: str) -> str:
+    return f"  {name:<21}{text}"
+
+
+def _setup(r: Result) -> list[str]:
+    n_docs = int((r.batches[0][2].diff(dim=1) > 0).sum())
+    a = r.args
+    return [
+        _row("ranks", f"{r.world} gloo processes (CPU), one mesh dim 'cp' of {r.world}"),
+        _row("data", f"{a.batch} rows x {a.seq} tokens per step, {n_docs} documents in the first step"),
+        _row("attention layout", r.placed.layout),
+        _row("compiled with", r.placed.compiled_with),
     ]
-    log("\n".join(line for line in lines if line.strip()))
+
+
+def _free_choice(r: Result) -> list[str]:
+    """--free: AutoParallel's estimates, and where the sequence placement would win."""
+    lines = []
+    if r.placed.considered:
+        lines.append(_row("considered", "AutoParallel's estimates per attention call (one layer, H100 peaks):"))
+        lines += [_row("", c) for c in r.placed.considered]
+    if r.placed.break_even:
+        lines.append(_row("sequence would win", r.placed.break_even))
+    return lines
+
+
+def _context_parallel(r: Result) -> list[str]:
+    """The plan's balance and traffic: only when attention runs sequence-sharded."""
+    if not r.placed.sequence_sharded:
+        return [_row("context parallel", "not used (attention is not sequence-sharded): no plan figures")]
+    p = r.plans[0]
+    all_gather = p.batch * (p.seq_len - p.seq_len // r.world)
+    return [
+        _row("attention work", f"{list(p.work)} query-key pairs per rank and head (first step; "
+             f"max/mean {p.imbalance:.3f})"),
+        _row("K/V received", f"{list(p.kv_recv_tokens)} tokens per rank (all-gather: {all_gather} each)"),
+        _row("queries moved", f"{list(p.q_moved_tokens)} tokens per rank (computed for another rank)"),
+    ]  # fmt: skip
+
+
+def _parity(r: Result) -> list[str]:
+    what = "context-parallel" if r.placed.sequence_sharded else "placed"
+    n = len(r.losses)
+    return [
+        _row("loss parity", f"max |placed - one process| = {r.loss_err:.2e} over {n} steps "
+             f"(final loss {r.losses[-1]:.6f}, nats per token)"),
+        _row("parameter parity", f"max |placed - one process| = {r.param_err:.2e} after {n} SGD steps (float64)"),
+        _row("time", ", ".join(f"{k} {v:.1f} s" for k, v in r.times.items())
+             + ("" if r.args.eager else " (training's first step compiles)")),
+        _row("result", f"OK: {what} training matches one process" if r.ok else "MISMATCH"),
+    ]  # fmt: skip
+
+
+# the report, top to bottom: a section is a function of the Result returning its lines
+SECTIONS = [_setup, _free_choice, _context_parallel, _parity]
+
+
+def report(r: Result) -> list[str]:
+    lines = ["", "[4/4] report"]
+    for section in SECTIONS:
+        lines += section(r)
+    return lines
+
+
+def write_plots(r: Result, out: str) -> str:
+    """Per-rank attention work and K/V traffic (planned vs all-gather) as PNGs under ``out``;
+    returns a line saying what was written, or why nothing was."""
+    if not r.placed.sequence_sharded:
+        return f"plots: none written to {out} (attention is not sequence-sharded)"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plots: matplotlib is not installed (pip install matplotlib); text report only"
+    os.makedirs(out, exist_ok=True)
+    p, ranks = r.plans[0], list(range(r.world))
+    written = []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(ranks, p.work, color="tab:blue")
+    ax.axhline(sum(p.work) / r.world, color="black", linestyle="--", label="mean")
+    ax.set(xlabel="rank", ylabel="query-key pairs (per head)", title=f"attention work (max/mean {p.imbalance:.3f})")
+    ax.set_xticks(ranks)
+    ax.legend()
+    written.append(os.path.join(out, "cp_work.png"))
+    fig.tight_layout()
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    width = 0.4
+    all_gather = p.batch * (p.seq_len - p.seq_len // r.world)
+    ax.bar([x - width / 2 for x in ranks], p.kv_recv_tokens, width, label="planned (AllToAll-V)")
+    ax.bar([x + width / 2 for x in ranks], [all_gather] * r.world, width, label="all-gather", color="tab:gray")
+    ax.set(xlabel="rank", ylabel="K/V tokens received", title="K/V traffic per rank (forward)")
+    ax.set_xticks(ranks)
+    ax.legend()
+    written.append(os.path.join(out, "cp_kv_traffic.png"))
+    fig.tight_layout()
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return "plots: " + ", ".join(written)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-autoparallel", action="store_true", help="shard manually even if installed")
     ap.add_argument("--free", action="store_true", help="let AutoParallel choose the attention layout too")
     ap.add_argument("--eager", action="store_true", help="run the placed model uncompiled (debugging)")
+    ap.add_argument("--out", metavar="DIR", help="write the context-parallel figures as PNGs here (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.seq % args.ranks:
         sys.exit(f"--seq {args.seq} must be divisible by --ranks {args.ranks}")

@@ -16,7 +16,14 @@ import torch
 
 from doc_packed._compat import PrivateAPIError
 
-__all__ = ["CHECKED_AUTOPARALLEL", "chosen_decisions", "collective_cost_us", "device_tflops", "installed"]
+__all__ = [
+    "CHECKED_AUTOPARALLEL",
+    "chosen_decisions",
+    "collective_cost_us",
+    "device_tflops",
+    "installed",
+    "strategy_costs",
+]
 
 CHECKED_AUTOPARALLEL = "a54c252 (2026-06-29)"
 
@@ -51,16 +58,40 @@ def device_tflops(dtype: torch.dtype) -> float:
     return _name("autoparallel.cost_models.compute_estimation", "_get_device_tflops")(dtype)
 
 
-def chosen_decisions(optimizer: Any) -> tuple[dict, Any]:
-    """The solved optimizer's decision variables per graph node, and its node normaliser
-    (``node -> the key under which its decisions are stored``)."""
-    for attr in ("selected_keys", "nodes", "_resolve_decision_var", "_normalize_node"):
+def _check_optimizer(optimizer: Any, attrs: Sequence[str]) -> None:
+    for attr in attrs:
         if not hasattr(optimizer, attr):
             raise PrivateAPIError(
                 f"shardings reads ShardingOptimizer.{attr}, checked on AutoParallel "
                 f"{CHECKED_AUTOPARALLEL}; the installed AutoParallel does not have it"
             )
+
+
+def chosen_decisions(optimizer: Any) -> tuple[dict, Any]:
+    """The solved optimizer's decision variables per graph node, and its node normaliser
+    (``node -> the key under which its decisions are stored``)."""
+    _check_optimizer(optimizer, ("selected_keys", "nodes", "_resolve_decision_var", "_normalize_node"))
     chosen: dict = {}
     for key in optimizer.selected_keys:
         chosen.setdefault(optimizer.nodes[key[0]], []).append(optimizer._resolve_decision_var(key))
     return chosen, optimizer._normalize_node
+
+
+def strategy_costs(optimizer: Any, node: Any) -> list[tuple[Any, float, float, bool]]:
+    """Every strategy the solved optimizer offered ``node``, in its order, as (strategy,
+    compute us, communication us, chosen): the communication is what redistributing the
+    node's inputs from where the solution put their producers would cost (a decision key is
+    ``(node index, argument, strategy index, producer's strategy index)``)."""
+    _check_optimizer(optimizer, ("selected_keys", "node_map", "strats", "_resolve_decision_var", "_normalize_node"))
+    node = optimizer._normalize_node(node)
+    index = optimizer.node_map[node]
+    keys = [key for key in optimizer.selected_keys if key[0] == index]
+    producers = {argi: inp for _, argi, _, inp in keys}
+    chosen = {out for _, _, out, _ in keys}
+    rows = []
+    for out, strategy in enumerate(optimizer.strats[node].strategies):
+        dvs = [optimizer._resolve_decision_var((index, argi, out, inp)) for argi, inp in producers.items()]
+        compute = sum(dv.compute_cost for dv in dvs)
+        comm = sum(dv.comm_cost + dv.sharding_transition_cost for dv in dvs)
+        rows.append((strategy, float(compute), float(comm), out in chosen))
+    return rows

@@ -7,7 +7,7 @@ Usage::
         autop.add_input_constraints(...)
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
-        describe_attention(autop, placement)   # prints a report, returns the choices
+        describe_attention(autop, placement, alternatives=True)   # chosen + alternatives, costs in ms
         parallel = autop.apply_placement(placement)
 
 AutoParallel (https://github.com/meta-pytorch/autoparallel) is installed from its git
@@ -24,12 +24,24 @@ from torch.distributed.tensor.placement_types import Shard
 from doc_packed import flops
 from doc_packed.ops import arg_index
 
-from ._ap_compat import chosen_decisions
+from ._ap_compat import chosen_decisions, device_tflops, strategy_costs
 from ._compat import unset_fake_temporarily
 from .costs import exchange_bytes, representative_plan
 from .strategies import kind_of
 
-__all__ = ["lower_context_parallel", "describe_attention", "force_attention_layout", "AttentionChoice"]
+__all__ = [
+    "lower_context_parallel",
+    "describe_attention",
+    "force_attention_layout",
+    "AttentionChoice",
+    "Alternative",
+    "attention_time_us",
+    "sequence_break_even",
+    "BreakEven",
+]
+
+_FLOOR_US = 7.0  # AutoParallel's floor for any op (its kernel launch overhead)
+_EFFICIENCY = 0.7  # the share of peak FLOP/s AutoParallel's compute model assumes
 
 _ROLES = {torch.ops.doc_packed.attn_fwd.default: "forward", torch.ops.doc_packed.attn_bwd.default: "backward"}
 
@@ -99,6 +111,33 @@ def force_attention_layout(autop, layout: dict[str, str]) -> None:
             autop.sharding_optimizer.add_node_constraint(node, placement)
 
 
+def _words(layout: dict[str, str]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in layout.items())
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One strategy AutoParallel offered an attention node, with its estimates in ms:
+    ``compute_ms`` the local op (the CP exchange and imbalance included when sequence-sharded),
+    ``comm_ms`` redistributing the node's inputs from where the solution put their producers
+    (what it would cost its consumers is not included)."""
+
+    layout: dict[str, str]
+    compute_ms: float
+    comm_ms: float
+    chosen: bool
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comm_ms
+
+    def __str__(self) -> str:
+        return (
+            f"{_words(self.layout):<36} compute {self.compute_ms:8.3f} ms + communication "
+            f"{self.comm_ms:8.3f} ms = {self.total_ms:8.3f} ms"
+        )
+
+
 @dataclass
 class AttentionChoice:
     """What the solver chose for one ``doc_packed`` node."""
@@ -110,13 +149,17 @@ class AttentionChoice:
     redistribute_us: float  # AutoParallel's estimate for reshaping its inputs
     source: str = ""
     cp: dict = field(default_factory=dict)  # balance / traffic of the plan, when sequence-sharded
+    # with describe_attention(alternatives=True): the chosen strategy first, then the cheapest others
+    alternatives: list[Alternative] = field(default_factory=list)
 
     def __str__(self) -> str:
-        where = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
         s = (
-            f"{self.node:<12} {self.role:<8} {where:<44} compute {self.compute_us:9.1f} us"
-            f"  redistribute {self.redistribute_us:9.1f} us"
+            f"{self.node:<12} {self.role:<8} {_words(self.layout):<44} compute {self.compute_us / 1e3:8.3f} ms"
+            f"  redistribute {self.redistribute_us / 1e3:8.3f} ms"
         )
+        for alt in self.alternatives:
+            if not alt.chosen:  # the chosen one is the line above
+                s += f"\n{'':<22}instead: {alt}"
         if self.cp:
             s += (
                 f"\n{'':<22}cp={self.cp['cp']} imbalance {self.cp['imbalance']:.3f}, K/V in "
@@ -126,13 +169,37 @@ class AttentionChoice:
         return s
 
 
-def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = None, print_report: bool = True):
+def _alternatives(optimizer, node, q_index: int, names, top: int) -> list[Alternative]:
+    """The chosen strategy, then the ``top`` cheapest others (one per layout in words)."""
+    best: dict[tuple[str, ...], Alternative] = {}
+    for strategy, compute, comm, is_chosen in strategy_costs(optimizer, node):
+        kinds = kind_of(strategy.input_specs[q_index].placements)
+        alt = Alternative(dict(zip(names, kinds)), compute / 1e3, comm / 1e3, is_chosen)
+        old = best.get(kinds)
+        if old is None or alt.chosen or (not old.chosen and alt.total_ms < old.total_ms):
+            best[kinds] = alt
+    ranked = sorted(best.values(), key=lambda a: (not a.chosen, a.total_ms))
+    return ranked[: top + 1]
+
+
+def describe_attention(
+    autop,
+    placement,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    print_report: bool = True,
+    alternatives: bool = False,
+    top: int = 3,
+):
     """Every ``doc_packed`` node's chosen placement, cost estimates and CP plan, in words.
 
     ``cu_seqlens`` (a real, global one) makes the CP figures those of that layout; by default
-    they come from the node's planning hint (:func:`doc_packed.planning`). For the
-    rest of the graph see ``autop.sharding_optimizer.get_json()`` (placements, costs and source
-    line of every node) and ``autop.sharding_optimizer.get_log(verbose=True)``.
+    they come from the node's planning hint (:func:`doc_packed.planning`). With
+    ``alternatives=True`` each choice also lists the chosen strategy and the ``top`` cheapest
+    other layouts AutoParallel offered that node, with its compute and communication estimates
+    in ms (:class:`Alternative`). For the rest of the graph see
+    ``autop.sharding_optimizer.get_json()`` (placements, costs and source line of every node)
+    and ``autop.sharding_optimizer.get_log(verbose=True)``.
     """
     chosen, normalize = chosen_decisions(autop.sharding_optimizer)
     mesh = autop.mesh
@@ -144,7 +211,7 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
         kinds = kind_of(spec.input_specs[q_index].placements)
         dvs = chosen.get(concrete, [])
         compute = sum(dv.compute_cost for dv in dvs)
-        redistribute = sum(dv.comm_cost for dv in dvs)
+        redistribute = sum(dv.comm_cost + dv.sharding_transition_cost for dv in dvs)
         q_meta = spec.input_specs[q_index].tensor_meta
         k_meta = spec.input_specs[q_index + 1].tensor_meta
         cp_info = {}
@@ -193,11 +260,98 @@ def describe_attention(autop, placement, *, cu_seqlens: torch.Tensor | None = No
                 redistribute_us=redistribute,
                 source=source,
                 cp=cp_info,
+                alternatives=_alternatives(autop.sharding_optimizer, node, q_index, names, top) if alternatives else [],
             )
         )
     if print_report:
-        print("doc_packed attention placements (AutoParallel):")
+        print("doc_packed attention placements (AutoParallel's estimates):")
         for c in choices:
             print(" ", c)
         print("  rest of the graph: autop.sharding_optimizer.get_json() / .get_log(verbose=True)")
     return choices
+
+
+def attention_time_us(
+    mesh,
+    dim: int,
+    kind: str,
+    *,
+    rows: int,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    doc_len: int = 0,
+    backward: bool = False,
+) -> float:
+    """One attention call's time (us) with ``kind`` on mesh dim ``dim`` (the other dims
+    replicate), priced as AutoParallel prices it: our FLOP count (:func:`doc_packed.flops.attention_flops`,
+    rows of ``doc_len``-token documents; for ``"sequence"`` the plan's imbalance and the exchange
+    on that dim's links added, :mod:`shardings.costs`) at 70% of the device's peak, floor 7 us.
+    The memory-bound term of AutoParallel's model is left out (it matters only below the floor).
+    Call it where AutoParallel's cost model can name the device (on CPU: under the same
+    device-name patch as planning)."""
+    m = mesh.size(dim)
+    shape = [rows, seq_len, q_heads, head_dim]
+    kv = kv_heads
+    if kind == "batch":
+        shape[0] = -(-rows // m)
+    elif kind == "heads":
+        shape[2], kv = -(-q_heads // m), -(-kv_heads // m)
+    elif kind == "sequence":
+        shape[1] = -(-seq_len // m)
+    elif kind != "replicate":
+        raise ValueError(f"kind must be 'replicate', 'batch', 'heads' or 'sequence', got {kind!r}")
+    q = torch.empty(shape, dtype=dtype, device="meta")
+    cu = torch.empty(shape[0], 2, dtype=torch.int32, device="meta")
+    names = mesh.mesh_dim_names
+    left, right = window_size
+    with mesh:  # the mesh shardings.costs prices the exchange on
+        count = flops.attention_flops(
+            q, kv, cu, seq_len, causal, left, right, None, backward, doc_len, names[dim] if names else None
+        )
+    return max(count / (device_tflops(dtype) * 1e12 * _EFFICIENCY) * 1e6, _FLOOR_US)
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Where a sequence-sharded attention call (forward + backward) starts to cost less than
+    ``other`` by :func:`attention_time_us`: ``seq_len`` tokens per row (None: not below
+    ``limit``), and both times there in ms."""
+
+    other: str
+    seq_len: int | None
+    sequence_ms: float
+    other_ms: float
+    limit: int
+
+
+def sequence_break_even(
+    mesh, dim: int, other: str = "replicate", *, start: int = 0, limit: int = 1 << 24, **shape
+) -> BreakEven:
+    """The smallest row length (a multiple of the dim's size, from ``start`` up to ``limit``)
+    at which the sequence placement on mesh dim ``dim`` beats ``other`` for one attention
+    layer's forward + backward, by :func:`attention_time_us` (``shape``: its keyword arguments
+    but ``seq_len`` and ``backward``). Doubles the length until sequence wins, then bisects."""
+    step = mesh.size(dim)
+
+    def cost(S: int, kind: str) -> float:
+        return sum(attention_time_us(mesh, dim, kind, seq_len=S, backward=b, **shape) for b in (False, True))
+
+    def wins(S: int) -> bool:
+        return cost(S, "sequence") < cost(S, other)
+
+    lo, hi = 0, max(step, -(-start // step) * step)
+    while not wins(hi):
+        if hi >= limit:
+            return BreakEven(other, None, cost(hi, "sequence") / 1e3, cost(hi, other) / 1e3, limit)
+        lo, hi = hi, min(2 * hi, limit)
+    while hi - lo > step:  # invariant: sequence wins at hi, not at lo (or lo is 0)
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+    return BreakEven(other, hi, cost(hi, "sequence") / 1e3, cost(hi, other) / 1e3, limit)
