@@ -260,3 +260,77 @@ def test_varlen_dtensor(run_ranks):
         for c, (err, out_pl, grad_pl, lse_pl) in zip(cases, report):
             assert err < 1e-10
             assert out_pl == grad_pl == want[c["dim"]][0] and lse_pl == want[c["dim"]][1]
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+def _fa4_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from doc_packed.kernels import fa4
+
+    return fa4.unsupported_reason(torch.empty(0, 8, 64, device="cuda", dtype=torch.bfloat16), 2)
+
+
+_FA4_WHY_NOT = _fa4_reason()
+_GPU_BACKENDS = [
+    "flash",
+    "flex",
+    pytest.param("fa4", marks=pytest.mark.skipif(_FA4_WHY_NOT is not None, reason=f"FA4 {_FA4_WHY_NOT}")),
+]
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("backend", _GPU_BACKENDS)
+@pytest.mark.parametrize("B", [1, 2])
+def test_gpu_sdpa_layout_views(backend, B):
+    """[B, H, S, D].transpose(1, 2) on each GPU backend: the same result and gradients as the
+    contiguous call (B == 1: the kernel reads the strided view; B == 2: the op's one copy), both
+    within bf16 tolerance of the float64 oracle."""
+    S, Hq, Hkv, D = 1024, 8, 2, 64
+    g = torch.Generator().manual_seed(7)
+    qh, kh, vh = (torch.randn(B, h, S, D, generator=g).cuda().bfloat16().requires_grad_() for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(B, S, Hq, D, generator=g).cuda().bfloat16()
+    cu = dp.cu_seqlens_from_lengths([[300, 0, 600, 124], [1024]][:B], S, max_docs=4).cuda()
+    out = dp.doc_packed_attn(
+        qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), cu, window_size=(64, 0), backend=backend
+    )
+    grads = torch.autograd.grad(out, (qh, kh, vh), dout)
+    qc, kc, vc = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (qh, kh, vh))
+    ref = dp.doc_packed_attn(qc, kc, vc, cu, window_size=(64, 0), backend=backend)
+    ref_grads = torch.autograd.grad(ref, (qc, kc, vc), dout)
+    assert _rel(out, ref) <= 1e-3
+    for a, b in zip(grads, ref_grads):
+        assert _rel(a.transpose(1, 2), b) <= 1e-3
+    oracle, _ = reference(qc.detach().cpu(), kc.detach().cpu(), vc.detach().cpu(), cu.cpu(), True, (64, 0))
+    assert _rel(out.cpu(), oracle) <= 1e-2
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("backend", ["auto", *_GPU_BACKENDS])
+def test_gpu_varlen_int64_no_sync_after_first_call(backend):
+    """The varlen entry with an int64 CUDA cu_seqlens and max_seqlen: exact within bf16 tolerance,
+    and later calls (forward and backward) make no host sync."""
+    T = 2048
+    cu = torch.tensor([0, 500, 500, 1700, 1701, 2048], dtype=torch.int64, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(T, h, 128, generator=g).cuda().bfloat16().requires_grad_() for h in (16, 4, 4))
+    out = dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend)  # first call: reads cu once
+    oracle, _ = reference(q.detach().cpu()[None], k.detach().cpu()[None], v.detach().cpu()[None], cu.cpu()[None])
+    assert _rel(out.cpu(), oracle[0]) <= 1e-2
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
