@@ -27,7 +27,10 @@ __all__ = [
     "create_fw_bw_graph",
     "flex_attention_backward_hop",
     "flex_attention_hop",
+    "is_functorch_wrapped",
+    "modes_active",
     "op_argument_names",
+    "profiler_enabled",
     "resolve_process_group",
     "tensor_version",
     "varlen_attn_ops",
@@ -118,6 +121,42 @@ def tensor_version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def modes_active() -> bool:
+    """Whether a torch dispatch mode (FlopCounterMode, FakeTensorMode, make_fx, selective
+    checkpointing, ...) or function mode (``with torch.device(...)``, ...) is active."""
+    return bool(_len_dispatch_stack()()) or bool(_function_mode_enabled()())
+
+
+@functools.cache
+def _len_dispatch_stack() -> Any:
+    return private("torch._C", "_len_torch_dispatch_stack")
+
+
+@functools.cache
+def _function_mode_enabled() -> Any:
+    return private("torch._C", "_is_torch_function_mode_enabled")
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch transform's wrapper (``torch.func.grad``, ``vmap``, ...)."""
+    return bool(_functorch_wrapped()(t))
+
+
+@functools.cache
+def _functorch_wrapped() -> Any:
+    return private("torch._C._functorch", "is_functorch_wrapped_tensor")
+
+
+def profiler_enabled() -> bool:
+    """Whether the autograd profiler (``torch.profiler.profile``) is recording."""
+    return bool(_profiler_enabled()())
+
+
+@functools.cache
+def _profiler_enabled() -> Any:
+    return private("torch.autograd", "_profiler_enabled")
 
 
 def op_argument_names(op: torch._ops.OpOverload) -> set[str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from . import _compat, kernels
+from . import _compat, _eager, kernels
 from ._checks import INT32_MAX, argument_error, check_length, check_qkv, check_scale, check_window, describe
 from ._doc_layout import get_layout
 
@@ -195,7 +195,7 @@ def attention(
     if max_seqlen is not None and not torch.compiler.is_compiling():
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     cu_seqlens = _as_dtensor_like(q, cu_seqlens)
-    out, lse = torch.ops.doc_packed.attn_fwd(
+    out, lse = _eager.attention(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim
     )
     return (out, lse) if return_lse else out

@@ -31,7 +31,18 @@ from . import flops, kernels
 from ._doc_layout import DocLayout, cp_degree, get_layout
 from .kernels import lse_dtype
 
-__all__ = ["BWD_ARGS", "FWD_ARGS", "arg_index", "attn_bwd", "attn_fwd", "cp_degree", "lse_dtype"]
+__all__ = [
+    "BWD_ARGS",
+    "FWD_ARGS",
+    "arg_index",
+    "attn_bwd",
+    "attn_fwd",
+    "backward_impl",
+    "cp_degree",
+    "forward_impl",
+    "input_grads",
+    "lse_dtype",
+]
 
 # (name, schema type, default) of the arguments both ops share, after their tensors
 _SHARED: tuple[tuple[str, str, str | None], ...] = (
@@ -89,10 +100,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2))
-def attn_fwd(
+def forward_impl(
     q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``attn_fwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
     # planning: planning_doc_len, planning_cp_dim (for cost estimates only; see the schema)
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -107,16 +118,10 @@ def attn_fwd(
     return out.view(B, S, Hq, D).contiguous(), lse.view(Hq, B, S).transpose(0, 1).contiguous()
 
 
-@attn_fwd.register_fake
-def _(q, k, v, *args):
-    B, S, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
-
-
-@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3))
-def attn_bwd(
+def backward_impl(
     dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``attn_bwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
     if cp_group is not None:
         from .cp import attention as cp_attention
 
@@ -131,6 +136,28 @@ def attn_bwd(
         spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()), lse_flat, scale, backend
     )
     return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
+
+
+@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2))
+def attn_fwd(
+    q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_impl(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group)
+
+
+@attn_fwd.register_fake
+def _(q, k, v, *args):
+    B, S, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3))
+def attn_bwd(
+    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_impl(
+        dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
+    )
 
 
 @attn_bwd.register_fake
@@ -149,12 +176,14 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
-    args = ctx.args
+def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the saved ``(q, k, v, cu_seqlens, out, lse)``, the op's other
+    arguments and the gradients of ``out`` and ``lse`` (either may be None), with ``fwd``/``bwd``
+    the forward and backward to call: the custom ops, or their implementations on the eager path."""
+    q, k, v, cu_seqlens, out, lse = saved
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.doc_packed.attn_bwd(dout, q, k, v, out, lse, cu_seqlens, *args)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *args)
     if dlse is not None:
         # d lse_i / d s_ij = p_ij, so the lse gradient adds p_ij * dlse_i to dS:
         #   dq_i += scale * dlse_i * sum_j p_ij k_j     (attention with values := keys)
@@ -163,11 +192,18 @@ def _backward(ctx, dout, dlse):
         scale = args[FWD_ARGS.index("scale") - 4]
         w = dlse.to(lse_dtype(q.dtype)).transpose(1, 2)
         w = w[..., None]  # [B, S, Hq, 1]
-        pk, _ = torch.ops.doc_packed.attn_fwd(q, k, k, cu_seqlens, *args)
+        pk, _ = fwd(q, k, k, cu_seqlens, *args)
         dq = dq + (scale * w * pk.to(w.dtype)).to(dq.dtype)
         g = (scale * w * q.to(w.dtype)).to(q.dtype)
-        _, _, dk_extra = torch.ops.doc_packed.attn_bwd(g, q, k, k, out, lse, cu_seqlens, *args)
+        _, _, dk_extra = bwd(g, q, k, k, out, lse, cu_seqlens, *args)
         dk = dk + dk_extra
+    return dq, dk, dv
+
+
+def _backward(ctx, dout, dlse):
+    dq, dk, dv = input_grads(
+        ctx.saved_tensors, ctx.args, dout, dlse, torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_bwd
+    )
     return dq, dk, dv, *([None] * (len(FWD_ARGS) - 3))
 
 
