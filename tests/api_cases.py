@@ -111,17 +111,19 @@ def uneven_sequence(rank, world, S, placements_names, mesh_shape):
     return err, tuple(out.placements), tuple(grads[0].placements), out.to_local().shape[1]
 
 
-def sequence_not_kept(rank, world):
-    """q Shard(1) on a mesh dim that planning(cp_dim=...) rules out: every rank raises."""
+def sequence_not_kept(rank, world, two_dims=False):
+    """q Shard(1) on a mesh dim that planning(cp_dim=...) rules out, or on two mesh dims at
+    once: every rank raises."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+    shape = (2, world // 2) if two_dims else (1, world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b"))
     q = torch.randn(2, 16, 2, 8, dtype=torch.float64)
     cu = dp.cu_seqlens_from_lengths([[5, 11], [16]], 16)
-    dq = distribute_tensor(q, mesh, [Shard(0), Shard(1)])
+    dq = distribute_tensor(q, mesh, [Shard(1), Shard(1)] if two_dims else [Shard(0), Shard(1)])
     try:
-        with dp.planning(doc_len=None, cp_dim="a"):
+        with dp.planning(doc_len=None, cp_dim=None if two_dims else "a"):
             dp.doc_packed_attn(dq, dq, dq, cu)
     except ValueError as e:
         return str(e)

@@ -189,3 +189,9 @@ def test_uneven_shard1_with_an_empty_rank(run_ranks):
 def test_sequence_placement_not_kept_raises(run_ranks):
     for msg in run_ranks(sequence_not_kept, 2):
         assert msg is not None and "q is sequence-sharded (Shard(1)) on mesh dim 'b' (size 2)" in msg
+
+
+@pytest.mark.slow
+def test_sequence_on_two_mesh_dims_raises(run_ranks):
+    for msg in run_ranks(sequence_not_kept, 4, True):
+        assert msg is not None and "only one mesh dim may shard the sequence" in msg
