@@ -10,7 +10,8 @@ from . import ops  # noqa: F401  (registers torch.ops.doc_packed.*)
 from .api import doc_packed_attn, planning
 from .boundaries import cu_seqlens_from_document_ids, cu_seqlens_from_eos
 from .cp import ContextParallelPlan, plan_context_parallel
-from .layout import cu_seqlens_from_lengths, document_ids, lognormal_lengths, pack_documents, positions
+from .layout import cu_seqlens_from_lengths, document_ids, lognormal_lengths, positions
+from .packing import PAD, Packed, PackOrder, pack_documents, pack_order, pack_stream
 from .varlen import doc_packed_attn_varlen
 
 __all__ = [
@@ -23,6 +24,11 @@ __all__ = [
     "lognormal_lengths",
     "positions",
     "pack_documents",
+    "pack_order",
+    "pack_stream",
+    "Packed",
+    "PackOrder",
+    "PAD",
     "planning",
     "plan_context_parallel",
     "ContextParallelPlan",

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .packing import pack_documents  # noqa: F401  (its home is packing.py; importable from here too)
+
 __all__ = ["cu_seqlens_from_lengths", "document_ids", "lognormal_lengths", "positions", "pack_documents"]
 
 
@@ -65,47 +67,6 @@ def positions(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     ids = document_ids(cu_seqlens, seq_len)
     starts = torch.gather(cu_seqlens.long(), 1, ids)
     return torch.arange(seq_len, device=cu_seqlens.device) - starts
-
-
-def pack_documents(
-    documents: Sequence[torch.Tensor],
-    seq_len: int,
-    *,
-    max_docs: int | None = None,
-    pad_value: float | int = 0,
-    split_long: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack variable-length documents ``[L_i, ...]`` into rows ``[B, seq_len, ...]``.
-
-    First-fit in the given order. A document longer than ``seq_len`` is cut into pieces of at
-    most ``seq_len`` tokens, each its own document (``split_long=False`` raises instead). The
-    unfilled tail of a row is ``pad_value`` and forms its own document. Returns
-    ``(rows, cu_seqlens)``.
-    """
-    if not documents:
-        raise ValueError("documents is empty")
-    pieces: list[torch.Tensor] = []
-    for i, d in enumerate(documents):
-        if d.shape[0] > seq_len and not split_long:
-            raise ValueError(f"documents[{i}] has {d.shape[0]} tokens, more than seq_len={seq_len}")
-        pieces.extend(d.split(seq_len) if d.shape[0] > 0 else [])
-    rows: list[list[torch.Tensor]] = []
-    room: list[int] = []
-    for p in pieces:
-        for r, free in enumerate(room):
-            if p.shape[0] <= free:
-                rows[r].append(p)
-                room[r] -= p.shape[0]
-                break
-        else:
-            rows.append([p])
-            room.append(seq_len - p.shape[0])
-    tail = pieces[0].shape[1:]
-    out = torch.full((len(rows), seq_len, *tail), pad_value, dtype=pieces[0].dtype)
-    for r, row in enumerate(rows):
-        out[r, : seq_len - room[r]] = torch.cat(row, 0)
-    cu = cu_seqlens_from_lengths([[p.shape[0] for p in row] for row in rows], seq_len, max_docs=max_docs)
-    return out, cu
 
 
 def lognormal_lengths(total: int, mean: float, seed: int | random.Random = 0, sigma: float = 1.0) -> list[int]:

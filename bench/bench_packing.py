@@ -1,0 +1,286 @@
+"""Greedy vs CP-aware packing, measured with the real context-parallel planner (CPU only).
+
+For each document-length distribution of bench/cp_model.py, row length S, rows per batch B and
+CP size c: draw B rows of documents exactly as the simulation does (``cp_model.make_layout``,
+so "greedy" is first-fit in drawn order, every row full), repack the same documents with
+``doc_packed.packing.pack_order(lengths, S, cp_size=c)`` ("cp"), and plan both with
+``doc_packed.cp.plan.build_plan`` (causal, ``query_cost = Hq/Hkv = 4``, tolerance 0.01, as the
+runtime). Reported per packing: queries moved (max over ranks), K/V tokens received (max over
+ranks) and as a share of all-gather's ``B*S*(c-1)/c``, the owner-first imbalance (before the
+planner moves anything) and the plan's, the padding fraction; and the lower bound on K/V that
+any packing moving no query at imbalance <= 1.01 must pay (:func:`forced_kv`: documents longer
+than a shard, or with more work than one rank's share, must straddle).
+
+Goal cells: a shard holds at least 8 mean documents. There the goal is zero queries moved,
+K/V <= 1% of all-gather, imbalance <= 1.02, padding <= 0.5%.
+
+Usage:
+    python bench/bench_packing.py                     # the grid, tables in Markdown
+    python bench/bench_packing.py --quick             # a few points
+    python bench/bench_packing.py --stream            # streaming look-ahead trade-off only
+    python bench/bench_packing.py --timing            # packing time of 1M tokens only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* from the root
+
+from bench.cp_model import DISTS, HKV, HQ, make_layout, row_lengths, token_label  # noqa: E402
+from doc_packed._doc_layout import DocLayout  # noqa: E402
+from doc_packed._mask import prefix_pairs  # noqa: E402
+from doc_packed.cp.plan import build_plan, chunk_len  # noqa: E402
+from doc_packed.packing import PAD, _column_loads, pack_order, pack_stream  # noqa: E402
+
+SEED = 2026
+MEANS = {"lognormal-512": 512, "lognormal-2k": 2048, "lognormal-8k": 8192, "powerlaw": 384}
+GRID = [  # (S, rows per batch)
+    (1 << 17, 1),
+    (1 << 17, 8),
+    (1 << 20, 1),
+]
+CPS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+MIN_TOKENS_PER_RANK = 64
+
+
+def _layout(lens: list[list[int]], S: int) -> DocLayout:
+    return DocLayout([[0] + list(itertools.accumulate(r)) for r in lens], S)
+
+
+def _measure(lens: list[list[int]], S: int, c: int) -> dict:
+    layout = _layout(lens, S)
+    loads = _column_loads(lens, S, c, True, -1, 0)
+    mean = sum(loads) / c
+    plan = build_plan(layout, c, True, -1, 0, query_cost=HQ / HKV, tolerance=0.01)
+    B = len(lens)
+    ag = B * S * (c - 1) // c
+    return {
+        "rows": B,
+        "q": max(plan.q_moved_tokens),
+        "kv": max(plan.kv_recv_tokens),
+        "kv_ag": max(plan.kv_recv_tokens) / ag,
+        "imb0": max(loads) / mean if mean else 1.0,
+        "imb": plan.imbalance,
+    }
+
+
+def forced_kv(lengths: list[int], S: int, c: int, slack: float = 0.01) -> int:
+    """K/V tokens some rank receives in ANY packing of these documents that moves no query and
+    keeps every rank within ``1 + slack`` of the mean: a document's last piece (on one shard,
+    the rest of the document are keys that rank receives) can neither exceed a shard nor carry
+    more than ``(1 + slack) * total / c`` pairs."""
+    cs = chunk_len(S, c)
+    cap = (1 + slack) * sum(prefix_pairs(n, n, True, -1, 0) for n in lengths) / c
+    out = 0
+    for n in set(lengths):
+        if n <= out:
+            continue
+        full = prefix_pairs(n, n, True, -1, 0)
+        lo, hi = 1, min(n, cs)  # largest y with pairs of the last y queries <= cap
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            if full - prefix_pairs(n - m, n, True, -1, 0) <= cap:
+                lo = m
+            else:
+                hi = m - 1
+        out = max(out, n - lo)
+    return out
+
+
+def point(dist: str, S: int, B: int, c: int) -> dict:
+    """Greedy and CP-aware packing of the same documents at one grid point."""
+    layout = make_layout(dist, S * B, B, SEED)
+    greedy = [[e - s for s, e in row] for row in layout.rows]
+    lengths = [n for row in greedy for n in row]
+    t0 = time.process_time()
+    order = pack_order(lengths, S, cp_size=c)
+    t_pack = time.process_time() - t0
+    g = _measure(greedy, S, c)
+    g["pad"] = 0.0
+    p = _measure(order.lengths, S, c)
+    p["pad"] = order.padded / (len(order.rows) * S)
+    cs = chunk_len(S, c)
+    mean = MEANS.get(dist, statistics.fmean(lengths))
+    return {
+        "dist": dist, "S": S, "B": B, "c": c, "docs": len(lengths), "per_shard": cs / mean,
+        "lb": forced_kv(lengths, S, c), "greedy": g, "cp": p, "pack_ms": t_pack * 1e3,
+    }
+
+
+def _goal(r: dict) -> str:
+    if r["per_shard"] < 8:
+        return ""
+    p = r["cp"]
+    ok = p["q"] == 0 and p["kv_ag"] <= 0.01 and p["imb0"] <= 1.02 and p["pad"] <= 0.005
+    if ok:
+        return "**met**"
+    return "forced" if r["lb"] > 0.01 * r["B"] * r["S"] * (r["c"] - 1) / r["c"] else "missed"
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def grid_table(res: list[dict]) -> str:
+    rows = []
+    for r in res:
+        g, p = r["greedy"], r["cp"]
+        lb = r["lb"]
+        near = f"{p['kv'] / lb:.2f}x" if lb else "-"
+        rows.append([
+            r["dist"], token_label(r["S"]), r["B"], r["c"], f"{r['per_shard']:.1f}",
+            g["q"], p["q"], g["kv"], p["kv"], f"{100 * g['kv_ag']:.2f}%", f"{100 * p['kv_ag']:.2f}%",
+            lb, near, f"{g['imb0']:.3f}", f"{p['imb0']:.3f}", f"{g['imb']:.3f}", f"{p['imb']:.3f}",
+            f"{100 * p['pad']:.2f}%", f"{r['pack_ms']:.1f}", _goal(r),
+        ])
+    return _table(
+        ["dist", "S", "B", "cp", "mean docs / shard", "q moved greedy", "q moved cp", "K/V greedy",
+         "K/V cp", "K/V / AG greedy", "K/V / AG cp", "K/V forced (LB)", "cp / LB",
+         "imb owner-first greedy", "imb owner-first cp", "imb plan greedy", "imb plan cp",
+         "padding cp", "pack ms", "goal"], rows)
+
+
+def run_grid(args) -> list[dict]:
+    res = []
+    for S, B in args.grid:
+        for dist in args.dists:
+            for c in args.cp:
+                if S // c < MIN_TOKENS_PER_RANK or (B * S // c) > (1 << 24):
+                    continue
+                t0 = time.perf_counter()
+                res.append(point(dist, S, B, c))
+                print(f"  {dist:14s} S={token_label(S):>5s} B={B} c={c:<5d} {time.perf_counter() - t0:6.2f}s",
+                      file=sys.stderr, flush=True)
+    return res
+
+
+# ---- streaming -------------------------------------------------------------------------------
+def stream_point(dist: str, S: int, c: int, rows: int, lookahead: int, batches: int) -> dict:
+    rng = np.random.default_rng([SEED, S, c])
+    lengths = [n for _ in range(batches * rows) for n in row_lengths(dist, S, rng)]
+    emitted = [0]
+    read_at: list[int] = []  # batches already out when each document was read
+
+    def source():
+        for n in lengths:
+            read_at.append(emitted[0])
+            yield torch.empty(n, dtype=torch.int8)
+
+    out = []
+    t0 = time.process_time()
+    for batch in pack_stream(source(), S, cp_size=c, rows=rows, lookahead=lookahead):
+        out.append(batch)
+        emitted[0] += 1
+    secs = time.process_time() - t0
+    stats, waits = [], []
+    for k, p in enumerate(out):
+        waits += [k - read_at[i] for i in p.doc_index.unique().tolist() if i != PAD]
+        if k == len(out) - 1:
+            break  # the last batch takes what is left
+        lens = [[int(x) for x in r.diff().tolist() if x > 0] for r in p.cu_seqlens]
+        m = _measure(lens, S, c)
+        m["pad"] = p.padded_fraction
+        stats.append(m)
+    return {
+        "dist": dist, "S": S, "c": c, "rows": rows, "lookahead": lookahead, "batches": len(out),
+        "q0": sum(m["q"] == 0 for m in stats) / len(stats),
+        "q": statistics.fmean(m["q"] for m in stats),
+        "kv_ag": statistics.fmean(m["kv_ag"] for m in stats),
+        "imb0": statistics.fmean(m["imb0"] for m in stats),
+        "imb0_max": max(m["imb0"] for m in stats),
+        "pad": statistics.fmean(m["pad"] for m in stats),
+        "wait": max(waits),
+        "ms": secs * 1e3 / len(out),
+    }
+
+
+def stream_table(res: list[dict]) -> str:
+    rows = [[
+        r["dist"], token_label(r["S"]), r["c"], r["rows"], r["lookahead"], r["batches"] - 1,
+        f"{100 * r['q0']:.0f}%", f"{r['q']:.0f}", f"{100 * r['kv_ag']:.2f}%", f"{r['imb0']:.3f}",
+        f"{r['imb0_max']:.3f}", f"{100 * r['pad']:.2f}%", r["wait"], f"{r['ms']:.1f}",
+    ] for r in res]
+    return _table(["dist", "S", "cp", "rows per batch", "look-ahead (batches)", "batches",
+                   "batches with no query moved", "q moved mean", "K/V / AG mean",
+                   "imb owner-first mean", "imb owner-first max", "padding mean",
+                   "max wait (batches after read)", "ms per batch"], rows)
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def timing_table(dists: list[str], cps: list[int]) -> str:
+    """pack_order on 1M tokens of documents: median process CPU ms of 5, one torch thread."""
+    rows = []
+    for dist in dists:
+        for S, B in ((1 << 17, 8), (1 << 20, 1)):
+            layout = make_layout(dist, 1 << 20, B, SEED)
+            lengths = [e - s for row in layout.rows for s, e in row]
+            row = [dist, token_label(S), len(lengths)]
+            for c in cps:
+                ts = []
+                for _ in range(5):
+                    t0 = time.process_time()
+                    pack_order(lengths, S, cp_size=c)
+                    ts.append(time.process_time() - t0)
+                row.append(f"{statistics.median(ts) * 1e3:.1f}")
+            rows.append(row)
+    return _table(["dist", "S (rows of 1M tokens)", "docs"] + [f"cp {c} ms" for c in cps], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--stream", action="store_true", help="only the streaming trade-off")
+    p.add_argument("--timing", action="store_true", help="only the packing time of 1M tokens")
+    p.add_argument("--cp", type=int, nargs="+", default=CPS)
+    p.add_argument("--dists", nargs="+", choices=DISTS, default=DISTS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    args.grid = GRID
+    if args.quick:
+        args.cp, args.dists, args.grid = [4, 8, 64], ["lognormal-512", "lognormal-2k"], [(1 << 17, 1), (1 << 17, 8)]
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    print(f"# Greedy vs CP-aware packing (real planner; CPU; {time.strftime('%Y-%m-%d')}, "
+          f"torch {torch.__version__}, seed {SEED})\n")
+    if not (args.stream or args.timing):
+        res = run_grid(args)
+        print("## Grid (B rows of S tokens per batch; K/V and queries: max over ranks, forward)\n")
+        print(grid_table(res))
+        goal = [r for r in res if r["per_shard"] >= 8]
+        met = sum(_goal(r) == "**met**" for r in goal)
+        print(f"\nGoal cells (>= 8 mean documents per shard): {met}/{len(goal)} met; "
+              f"{sum(_goal(r) == 'forced' for r in goal)} 'forced': any packing that moves no query "
+              "must receive more than 1% of all-gather's K/V (a document too long or too heavy "
+              "for one shard)\n")
+    if not (args.timing or args.quick) or args.stream:
+        sres = []
+        for dist in ("lognormal-2k", "lognormal-512"):
+            for rows in (1, 4):
+                for la in (1, 2, 4, 8):
+                    sres.append(stream_point(dist, 1 << 17, 8, rows, la, 24 if rows == 1 else 8))
+                    print(f"  stream {dist} rows={rows} lookahead={la}", file=sys.stderr, flush=True)
+        print("## Streaming: look-ahead vs balance (S=128k, CP=8)\n")
+        print(stream_table(sres))
+        print()
+    if not (args.stream or args.quick) or args.timing:
+        print("## Packing time, 1M tokens of documents (pack_order, median process CPU ms of 5, "
+              "one thread)\n")
+        print(timing_table(["lognormal-512", "lognormal-2k", "powerlaw", "long+short"], [8, 64, 1024]))
+    print(f"\n{time.perf_counter() - t0:.0f} s wall; load average before/after "
+          f"{load0:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,915 @@
+"""Packing documents into rows, optionally for context parallelism.
+
+Documents in a packed row are independent, so which row holds a document and where it sits in
+the row are free choices. With ``cp_size`` the packer uses them: rank ``r`` owns the ``r``-th
+``torch.chunk`` of every row (:func:`doc_packed.cp.plan.owner_ranges`), and documents are placed
+so that every rank's contiguous shards carry the same attention work (exact (query, key) pairs,
+:mod:`doc_packed._mask`, what the planner counts) and shard boundaries fall between documents.
+Then :func:`doc_packed.plan_context_parallel` moves no queries and only the few documents that
+straddle a boundary send keys. Positions (per document) and labels are unchanged by the order.
+
+Algorithm (``rows`` rows of ``seq_len`` tokens, ``c`` shards each; a *cell* is one row's shard,
+a *column* all cells of one rank; the target is ``total pairs / c`` per column):
+
+1. *Heavy documents first* (longer than a shard, or too much work for one column): each is
+   placed across cells so that no column exceeds the target, ending as far right in its last
+   cell as that allows (the rank holding its last piece receives the fewest keys:
+   ``length - last piece``, the minimum when the last piece is a whole shard).
+2. *The rest, longest first*, each to the column that most needs dense work (largest
+   ``(target - load) / free tokens``), in that column's cell with the most room.
+3. *Close the cells*, row by row, left to right: a cell's gap is filled exactly from the
+   documents that fit nowhere (subset sum), else best-fit; what is left straddles the boundary
+   with the smallest document available, whose first part (the keys the next rank receives) is
+   smaller than every unplaced document; a cell that cannot be closed is padded (its own
+   document of padding tokens).
+
+Without ``cp_size`` it packs first-fit in the given order (the historical behaviour).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+
+from ._checks import check_count, check_length, check_window
+from ._mask import doc_pairs, prefix_pairs
+from .cp.plan import owner_ranges
+
+__all__ = ["PAD", "PackOrder", "Packed", "pack_order", "pack_documents", "pack_stream"]
+
+_DEBUG = False
+_PASSES = 2  # packing passes at most, the second aiming the columns the first one missed
+_TOLERANCE = 0.004  # imbalance below which one pass is enough (the planner moves work above 1.01)
+_RETRY_BELOW = 0.05  # ... and above which a second pass does not help (measured)
+_PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding: <= 64 per token)
+_SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
+_SLACK = 50  # 1/50 of every cell is left free while assigning: room for swaps, closed by the reserve
+_RESERVE_PER_ROW = 12  # shortest documents held back per row to close cells exactly
+PAD = -1  # the document index of padding segments and padding positions
+
+
+class PackOrder(NamedTuple):
+    """Rows as orders of document indices (:func:`pack_order`).
+
+    Attributes:
+        rows: per row, the index of each segment's document in order; :data:`PAD` (-1) for a
+            padding segment.
+        lengths: per row, the segment lengths in the same order (each row sums to ``seq_len``):
+            ``cu_seqlens_from_lengths(order.lengths, seq_len)`` is the layout.
+        padded: padding tokens over all rows.
+    """
+
+    rows: list[list[int]]
+    lengths: list[list[int]]
+    padded: int
+
+    @property
+    def padded_fraction(self) -> float:
+        total = sum(sum(r) for r in self.lengths)
+        return self.padded / total if total else 0.0
+
+
+class Packed(tuple):
+    """Packed rows (:func:`pack_documents`): unpacks as ``(rows, cu_seqlens)``, as before, and
+    carries what maps tokens back.
+
+    Attributes:
+        rows: ``[B, seq_len, ...]``, padding positions hold ``pad_value``.
+        cu_seqlens: ``[B, max_docs + 1]`` int32; every padding segment is a document of its own.
+        doc_index: ``[B, seq_len]`` int64, the index in ``documents`` of each position's
+            document, :data:`PAD` (-1) for padding.
+        padded_fraction: padding positions over all positions.
+    """
+
+    doc_index: torch.Tensor
+    padded_fraction: float
+
+    def __new__(cls, rows: torch.Tensor, cu_seqlens: torch.Tensor, doc_index: torch.Tensor, padded_fraction: float):
+        obj = super().__new__(cls, (rows, cu_seqlens))
+        obj.doc_index = doc_index
+        obj.padded_fraction = padded_fraction
+        return obj
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self[1]
+
+
+# ---- checks -----------------------------------------------------------------------------------
+def _check_lengths(lengths: object, seq_len: int) -> list[int]:
+    try:
+        out = [int(n) for n in lengths]  # type: ignore[attr-defined]
+    except TypeError:
+        raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}") from None
+    for i, n in enumerate(out):
+        if n < 0 or n > seq_len:
+            raise ValueError(f"lengths[{i}] = {n}: each document must have 0 to seq_len={seq_len} tokens")
+    return out
+
+
+def _check_cp(cp_size: object) -> int | None:
+    return None if cp_size is None else check_count("cp_size", cp_size)
+
+
+# ---- greedy (no cp_size) ----------------------------------------------------------------------
+def _first_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(seq_len - n)
+    return rows
+
+
+# ---- CP-aware ---------------------------------------------------------------------------------
+class _Packer:
+    """One batch of ``n_rows`` rows balanced over ``c`` columns (see the module docstring)."""
+
+    def __init__(
+        self,
+        lengths: list[int],
+        seq_len: int,
+        c: int,
+        causal: bool,
+        left: int,
+        right: int,
+        n_rows: int,
+        shift: Sequence[float] | None = None,
+    ):
+        self.L, self.S, self.c, self.R = lengths, seq_len, c, n_rows
+        self.mask = (causal, left, right)
+        own = owner_ranges(seq_len, c)
+        self.lo = [a for a, _ in own]
+        self.hi = [e for _, e in own]
+        self.cap = [e - a for a, e in own]
+        self.cs = max(self.cap)
+        self.work = [doc_pairs(n, causal, left, right) for n in lengths]
+        live = [i for i, n in enumerate(lengths) if n > 0]
+        # more documents than room (a streaming batch): the shortest are the ones left out
+        excess, kept = sum(lengths[i] for i in live) - n_rows * seq_len, sum(self.work[i] for i in live)
+        for i in sorted(live, key=lambda i: (lengths[i], i)):
+            if excess <= 0:
+                break
+            excess -= lengths[i]
+            kept -= self.work[i]
+        self.target = kept / c
+        # per-column targets: the mean, less what a previous pass ended above it
+        self.tg = [self.target - (shift[r] if shift else 0.0) for r in range(c)]
+        # free interval of every cell, [fs, fe), and the documents assigned to it
+        self.fs = [list(self.lo) for _ in range(n_rows)]
+        self.fe = [list(self.hi) for _ in range(n_rows)]
+        self.cell: list[list[list[int]]] = [[[] for _ in range(c)] for _ in range(n_rows)]
+        self.used = [[0] * c for _ in range(n_rows)]
+        self.pinned: list[dict[int, int]] = [{} for _ in range(n_rows)]  # row -> start -> doc
+        self.colw = [0.0] * c
+        self.left_over: list[tuple[int, int]] = []  # sorted (length, doc)
+        # the least work that fills x tokens: the shortest documents (cumulative, for _fill)
+        self._fill_toks, self._fill_work = [0], [0]
+        for i in sorted(live, key=lambda i: (lengths[i], i)):
+            self._fill_toks.append(self._fill_toks[-1] + lengths[i])
+            self._fill_work.append(self._fill_work[-1] + self.work[i])
+        self.slack = max(0, n_rows * seq_len - sum(lengths[i] for i in live))
+        self.colfree = [n_rows * self.cap[r] for r in range(c)]
+
+    def _fill(self, x: int) -> float:
+        """Least work of ``x`` tokens of documents: the shortest ones, the last one in part."""
+        j = bisect_right(self._fill_toks, x)
+        if j >= len(self._fill_toks):
+            return float(self._fill_work[-1])
+        t0, w0 = self._fill_toks[j - 1], self._fill_work[j - 1]
+        n = self._fill_toks[j] - t0
+        return w0 + (self._fill_work[j] - w0) * (x - t0) / n
+
+    # -- work ---------------------------------------------------------------------------------
+    def _piece(self, n: int, a: int, e: int) -> int:
+        causal, left, right = self.mask
+        return prefix_pairs(e, n, causal, left, right) - prefix_pairs(a, n, causal, left, right)
+
+    def _pieces(self, n: int, s: int) -> list[tuple[int, int, int]]:
+        """(column, in-document start, in-document end) of a document of ``n`` tokens at ``s``."""
+        e = s + n
+        out = []
+        r = min(s // self.cs, self.c - 1)
+        while r < self.c and self.lo[r] < e:
+            a, b = max(s, self.lo[r]), min(e, self.hi[r])
+            if b > a:
+                out.append((r, a - s, b - s))
+            r += 1
+        return out
+
+    # -- 1. heavy documents ---------------------------------------------------------------------
+    def _reserve_padding(self) -> None:
+        """Room no document fills (fewer tokens than rows): padding spread evenly over the cells
+        (at their ends), so that every rank loses the same share of its tokens to it."""
+        open_cells = [
+            (b, r) for b in range(self.R) for r in range(self.c) if self.fe[b][r] == self.hi[r] > self.fs[b][r]
+        ]
+        left = self.slack
+        for k, (b, r) in enumerate(open_cells):
+            take = max(0, min(left // (len(open_cells) - k), self.fe[b][r] - self.fs[b][r] - self.used[b][r]))
+            self.fe[b][r] -= take
+            self.colfree[r] -= take
+            left -= take
+
+    def _heavy(self, i: int) -> bool:
+        n = self.L[i]
+        return n > self.cs or self.work[i] + self._fill(self.R * self.cs - n) > self.target
+
+    def _place_heavy(self, i: int) -> bool:
+        n = self.L[i]
+        # end columns to try: the least loaded ones (the last piece is the heaviest)
+        keys = [self.colw[r] + self._fill(self.colfree[r]) - self.tg[r] for r in range(self.c)]
+        best = None
+        for k in heapq.nsmallest(self.tries, range(self.c), key=keys.__getitem__):
+            tried = 0
+            for b in range(self.R):
+                if self.fs[b][k] != self.lo[k] or self.fe[b][k] <= self.lo[k]:
+                    continue
+                cand = self._best_end(b, k, n)
+                if cand is None:
+                    continue
+                tried += 1
+                if best is None or cand[0] < best[0]:
+                    best = cand
+                if tried >= 3:
+                    break
+        if best is None:
+            return False
+        _, b, s = best
+        pieces = self._pieces(n, s)
+        if len(pieces) == 1:  # fits in one cell: an ordinary assignment
+            r = pieces[0][0]
+            self.cell[b][r].append(i)
+            self.used[b][r] += n
+        else:
+            self.pinned[b][s] = i
+            first, last = pieces[0][0], pieces[-1][0]
+            self.fe[b][first] = s
+            for r, _, _ in pieces[1:-1]:
+                self.fs[b][r] = self.fe[b][r] = self.hi[r]
+            self.fs[b][last] = s + n
+        for r, a, e in pieces:
+            self.colw[r] += self._piece(n, a, e)
+            self.colfree[r] -= e - a
+        return True
+
+    def _best_end(self, b: int, k: int, n: int):
+        """Best placement of ``n`` tokens ending in cell (b, k): (score, b, start) or None."""
+        lo, fe = self.lo[k], self.fe[b][k]
+        y_max = min(fe - lo - self.used[b][k], n)  # the cell's documents still fit after it
+        # leftmost start allowed: walk back over cells that are free and empty
+        s_min, j = lo, k - 1
+        while s_min > lo - n + 1 and j >= 0:
+            if self.fs[b][j] == self.lo[j] and self.fe[b][j] == self.hi[j] and not self.used[b][j]:
+                s_min = self.lo[j]
+                j -= 1
+                continue
+            if self.fe[b][j] == self.hi[j]:
+                s_min = self.fs[b][j] + self.used[b][j]
+            break
+        y_min = max(1, s_min + n - lo)
+        if y_min > y_max:
+            return None
+
+        def over(y: int) -> tuple[float, float]:
+            """(last piece's column over its target, worst other column over its target)."""
+            s = lo + y - n
+            last, other = 0.0, 0.0
+            for r, a, e in self._pieces(n, s):
+                room = self.colfree[r] - (e - a)
+                v = (self.colw[r] + self._piece(n, a, e) + self._fill(room)) / max(self.tg[r], 1.0) - 1
+                if r == k:
+                    last = v
+                else:
+                    other = max(other, v)
+            return last, other
+
+        def last_over(y: int) -> float:
+            room = self.colfree[k] - y
+            return (self.colw[k] + self._piece(n, n - y, n) + self._fill(room)) / max(self.tg[k], 1.0) - 1
+
+        # largest y whose last piece fits (monotone for causal masks)
+        a, z = y_min, y_max
+        if last_over(a) > 0:
+            y = a  # even the smallest last piece overflows
+        else:
+            while a < z:
+                m = (a + z + 1) // 2
+                if last_over(m) <= 0:
+                    a = m
+                else:
+                    z = m - 1
+            y = a
+        last, other = over(y)
+        worst = max(last, other)
+        kv = 0 if y == n else n - y
+        feasible = worst <= 1e-9
+        score = (0 if feasible else 1, kv if feasible else worst, kv)
+        return score, b, lo + y - n
+
+    # -- 2. the rest ------------------------------------------------------------------------------
+    def _assign(self, docs: list[int]) -> None:
+        """Longest first, each to the column that most needs dense work (largest
+        ``(target - load) / free tokens``), in its cell with the most room."""
+        room = [
+            [max(0, self.fe[b][r] - self.fs[b][r] - self.used[b][r] - self.cap[r] // _SLACK) for r in range(self.c)]
+            for b in range(self.R)
+        ]
+        colroom = [sum(room[b][r] for b in range(self.R)) for r in range(self.c)]
+        colmax = [max(room[b][r] for b in range(self.R)) for r in range(self.c)]
+
+        def key(r: int) -> float:
+            return -(self.tg[r] - self.colw[r]) / colroom[r]
+
+        heap = [(key(r), r) for r in range(self.c) if colroom[r] > 0]
+        heapq.heapify(heap)
+        parked: list[tuple[float, int]] = []  # (-largest cell room, column): too full for now
+        for i in docs:  # lengths do not increase, so a parked column's turn comes back by size
+            n = self.L[i]
+            while parked and -parked[0][0] >= n:
+                _, r = heapq.heappop(parked)
+                heapq.heappush(heap, (key(r), r))
+            while heap and colmax[heap[0][1]] < n:
+                _, r = heapq.heappop(heap)
+                heapq.heappush(parked, (-colmax[r], r))
+            if not heap:
+                insort(self.left_over, (n, i))
+                continue
+            _, r = heapq.heappop(heap)
+            b = max(range(self.R), key=lambda x: (room[x][r], -x))
+            self.cell[b][r].append(i)
+            self.used[b][r] += n
+            room[b][r] -= n
+            colroom[r] -= n
+            colmax[r] = max(room[x][r] for x in range(self.R))
+            self.colfree[r] -= n
+            self.colw[r] += self.work[i]
+            if colroom[r] > 0:
+                if colmax[r] >= n:
+                    heapq.heappush(heap, (key(r), r))
+                else:
+                    heapq.heappush(parked, (-colmax[r], r))
+
+    def _rebalance(self) -> None:
+        """Swap documents between the heaviest and the lightest column while that lowers the
+        heavier of the two; loads are projected with the gaps filled at the density of the
+        documents still unplaced (what closes them)."""
+        toks = sum(n for n, _ in self.left_over)
+        rho = sum(self.work[i] for _, i in self.left_over) / toks if toks else 0.0
+        room = [[self.fe[b][r] - self.fs[b][r] - self.used[b][r] for r in range(self.c)] for b in range(self.R)]
+        proj = [self.colw[r] + rho * sum(room[b][r] for b in range(self.R)) for r in range(self.c)]
+        net = [self.work[i] - rho * self.L[i] for i in range(len(self.L))]
+        where: dict[int, tuple[int, int]] = {
+            i: (b, r) for b in range(self.R) for r in range(self.c) for i in self.cell[b][r]
+        }
+        for _ in range(8 * self.c):
+            over = [proj[r] - self.tg[r] for r in range(self.c)]
+            h = max(range(self.c), key=lambda r: (over[r], -r))
+            lo = min(range(self.c), key=lambda r: (over[r], r))
+            gap = over[h] - over[lo]
+            if gap <= 1e-3 * self.target:
+                return
+            want = gap / 2
+            mine = [i for b in range(self.R) for i in self.cell[b][h]]
+            theirs = sorted(((net[j], j) for b in range(self.R) for j in self.cell[b][lo]))
+            keys = [g for g, _ in theirs]
+            best: tuple[int, int | None, int] | None = None
+            best_err = gap  # |moved - want| must beat doing nothing
+            for i in mine:
+                bi = where[i][0]
+                # move i alone
+                if abs(net[i] - want) < best_err and 0 < net[i] < gap:
+                    b2 = max(range(self.R), key=lambda x: (room[x][lo], -x))
+                    if room[b2][lo] >= self.L[i]:
+                        best, best_err = (i, None, b2), abs(net[i] - want)
+                j0 = bisect_left(keys, net[i] - want)
+                for j in range(max(0, j0 - 2), min(len(theirs), j0 + 2)):
+                    g, k = theirs[j]
+                    moved = net[i] - g
+                    if not 0 < moved < gap or abs(moved - want) >= best_err:
+                        continue
+                    d = self.L[k] - self.L[i]
+                    bk = where[k][0]
+                    if d <= room[bi][h] and -d <= room[bk][lo]:
+                        best, best_err = (i, k, bk), abs(moved - want)
+            if best is None:
+                return
+            i, other, b2 = best
+            bi = where[i][0]
+            self.cell[bi][h].remove(i)
+            self.cell[b2][lo].append(i)
+            moved = net[i]
+            room[bi][h] += self.L[i]
+            room[b2][lo] -= self.L[i]
+            self.used[bi][h] -= self.L[i]
+            self.used[b2][lo] += self.L[i]
+            self.colw[h] -= self.work[i]
+            self.colw[lo] += self.work[i]
+            where[i] = (b2, lo)
+            if other is not None:
+                k = other
+                self.cell[b2][lo].remove(k)
+                self.cell[bi][h].append(k)
+                moved -= net[k]
+                room[b2][lo] += self.L[k]
+                room[bi][h] -= self.L[k]
+                self.used[b2][lo] -= self.L[k]
+                self.used[bi][h] += self.L[k]
+                self.colw[lo] -= self.work[k]
+                self.colw[h] += self.work[k]
+                where[k] = (bi, h)
+            proj[h] -= moved
+            proj[lo] += moved
+
+    # -- 3. close the cells ---------------------------------------------------------------------
+    def _exact(self, space: int, own: list[int]) -> list[int] | None:
+        """Documents summing to exactly ``space`` tokens: the cell's own (kept where possible)
+        and unplaced ones (subset sum on a bitset). None if there is no such set."""
+        pool = [(self.L[i], i) for i in own]
+        pool += self.left_over[: bisect_right(self.left_over, (space, math.inf))][-2 * _SWAP :]
+        if sum(n for n, _ in pool) < space:
+            return None
+        full = (1 << (space + 1)) - 1
+        reach = [1]
+        for n, _ in pool:
+            reach.append((reach[-1] | (reach[-1] << n)) & full)
+        if not reach[-1] >> space & 1:
+            return None
+        out, t = [], space
+        for j in range(len(pool), 0, -1):  # late (unplaced) documents are skipped when possible
+            if t and not reach[j - 1] >> t & 1:
+                out.append(pool[j - 1][1])
+                t -= pool[j - 1][0]
+        return out
+
+    def _best_fit(self, pool: list[tuple[int, int]], gap: int) -> list[int]:
+        """Documents of ``pool`` (sorted), longest that fits first, while one fits ``gap``."""
+        out = []
+        while gap > 0:
+            j = bisect_right(pool, (gap, math.inf)) - 1
+            if j < 0:
+                break
+            n, i = pool.pop(j)
+            out.append(i)
+            gap -= n
+        return out
+
+    def _share_rows(self) -> None:
+        """Give every row unplaced documents that bring it to exactly ``seq_len`` tokens where
+        possible (its cells' gaps are then closed with them), trading its shortest documents
+        for unplaced ones when no subset fits."""
+        self.pool: list[list[tuple[int, int]]] = [[] for _ in range(self.R)]
+        need = [sum(self.fe[b][r] - self.fs[b][r] - self.used[b][r] for r in range(self.c)) for b in range(self.R)]
+        pending = sorted((b for b in range(self.R) if need[b] > 0), key=lambda x: (-need[x], x))
+        for _ in range(3):  # a row that cannot close now may after others traded documents back
+            later = []
+            for b in pending:
+                mine = sorted((self.L[i], i, r) for r in range(self.c) for i in self.cell[b][r])[:_SWAP]
+                own = [i for _, i, _ in mine]
+                exact = self._exact(need[b] + sum(n for n, _, _ in mine), own)
+                if exact is None:
+                    later.append(b)
+                    continue
+                chosen, mine_ids = set(exact), set(own)
+                for n, i, r in mine:
+                    if i not in chosen:
+                        self.cell[b][r].remove(i)
+                        self.used[b][r] -= n
+                        insort(self.left_over, (n, i))
+                for i in exact:
+                    if i not in mine_ids:
+                        self._take((self.L[i], i))
+                        self.pool[b].append((self.L[i], i))
+                need[b] = 0
+            if not later or len(later) == len(pending) and _ > 0:
+                pending = later
+                break
+            pending = later
+        for b in pending:
+            for i in self._best_fit(self.left_over, need[b]):
+                self.pool[b].append((self.L[i], i))
+        for p in self.pool:
+            p.sort()
+
+    def _close_row(self, b: int) -> tuple[list[int], list[int]]:
+        pool = self.pool[b]
+        order: list[int] = []
+        lens: list[int] = []
+        carry = 0
+        for r in range(self.c):
+            fs, fe = self.fs[b][r], self.fe[b][r]
+            pin = self.pinned[b].get(fe) if fe < self.hi[r] else None
+            if fe > fs:
+                space = fe - fs - carry
+                docs = sorted(self.cell[b][r], key=lambda i: (-self.L[i], i))
+                used = sum(self.L[i] for i in docs)
+                while used > space:  # the carried-in piece pushed some out: the shortest go
+                    i = docs.pop()
+                    used -= self.L[i]
+                    insort(pool, (self.L[i], i))
+                nxt = r + 1
+                open_right = fe == self.hi[r] and nxt < self.c and self.fs[b][nxt] == self.lo[nxt] < self.fe[b][nxt]
+                if used < space:
+                    docs += self._exact_from(pool, space - used) or self._best_fit(pool, space - used)
+                gap = space - sum(self.L[i] for i in docs)
+                if gap > 0 and open_right and not pool:
+                    # nothing left to close it with: borrow the next cell's shortest documents
+                    later = self.cell[b][nxt]
+                    later.sort(key=lambda i: (self.L[i], i))
+                    while later and self.L[later[0]] <= gap:
+                        i = later.pop(0)
+                        docs.append(i)
+                        gap -= self.L[i]
+                    if gap > 0 and later:
+                        i = later.pop(0)
+                        insort(pool, (self.L[i], i))
+                order += docs
+                lens += [self.L[i] for i in docs]
+                carry = 0
+                if gap > 0 and open_right:
+                    j = bisect_right(pool, (gap, math.inf))
+                    if j < len(pool) and pool[j][0] - gap <= self.fe[b][nxt] - self.fs[b][nxt]:
+                        n, i = pool.pop(j)
+                        order.append(i)
+                        lens.append(n)
+                        carry, gap = n - gap, 0
+                if gap > 0 and pin is not None and self._shift_left(b, r, fe, gap):
+                    fe, gap = fe - gap, 0
+                if pin is None and fe < self.hi[r]:  # padding reserved at the cell's end
+                    gap += self.hi[r] - fe
+                if gap > 0:
+                    order.append(PAD)
+                    lens.append(gap)
+            else:
+                for i in self.cell[b][r]:  # a cell with no room left (cannot happen; kept safe)
+                    insort(pool, (self.L[i], i))
+            if fe <= fs and pin is None and fe < self.hi[r]:
+                order.append(PAD)
+                lens.append(self.hi[r] - fe)
+            if pin is not None:
+                i = self.pinned[b][fe]
+                order.append(i)
+                lens.append(self.L[i])
+        for item in pool:
+            insort(self.left_over, item)
+        pool.clear()
+        return order, lens
+
+    def _exact_from(self, pool: list[tuple[int, int]], gap: int) -> list[int] | None:
+        """Documents of ``pool`` summing to exactly ``gap`` (removed from it), or None."""
+        saved, self.left_over = self.left_over, pool
+        try:
+            got = self._exact(gap, [])
+            if got is not None:
+                for i in got:
+                    self._take((self.L[i], i))
+            return got
+        finally:
+            self.left_over = saved
+
+    def _shift_left(self, b: int, r: int, s: int, d: int) -> bool:
+        """Move the pinned document starting at ``s`` (in cell ``r``) ``d`` tokens left, if its
+        last cell keeps a piece of it; that cell gets the ``d`` tokens of room instead."""
+        i = self.pinned[b][s]
+        e = s + self.L[i]
+        k = min((e - 1) // self.cs, self.c - 1)
+        while self.lo[k] >= e:
+            k -= 1
+        if e - d <= self.lo[k] or self.fs[b][k] != e:
+            return False
+        del self.pinned[b][s]
+        self.pinned[b][s - d] = i
+        self.fe[b][r] = s - d
+        self.fs[b][k] = e - d
+        return True
+
+    def _take(self, item: tuple[int, int]) -> None:
+        del self.left_over[bisect_left(self.left_over, item)]
+
+    # -- all ----------------------------------------------------------------------------------------
+    def run(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        live = [i for i, n in enumerate(self.L) if n > 0]
+        heavy = sorted((i for i in live if self._heavy(i)), key=lambda i: (-self.work[i], i))
+        self.tries = min(self.c, 6 if len(heavy) <= self.c else 2)  # end columns tried per heavy document
+        rest = []
+        for i in heavy:
+            if not self._place_heavy(i):
+                rest.append(i)
+        rest += [i for i in live if not self._heavy(i)]
+        if self.slack:
+            self._reserve_padding()
+        rest.sort(key=lambda i: (-self.L[i], i))
+        # the shortest documents are held back to close cells and rows exactly
+        keep = min(len(rest) // 4, _RESERVE_PER_ROW * self.R)
+        for i in rest[len(rest) - keep :]:
+            insort(self.left_over, (self.L[i], i))
+        self._assign(rest[: len(rest) - keep])
+        self._rebalance()
+        self._share_rows()
+        rows, lens = [], []
+        for b in range(self.R):
+            o, ln = self._close_row(b)
+            rows.append(o)
+            lens.append(ln)
+        return rows, lens, [i for _, i in self.left_over]
+
+
+def _column_loads(lens: list[list[int]], seq_len: int, c: int, causal: bool, left: int, right: int) -> list[int]:
+    """Owner-first work of every rank (what the planner starts from) for rows of segments."""
+    own = owner_ranges(seq_len, c)
+    cs = max(e - a for a, e in own)
+    loads = [0] * c
+    for row in lens:
+        at = 0
+        for n in row:
+            s, e = at, at + n
+            r = min(s // cs, c - 1) if cs else 0
+            while r < c and own[r][0] < e:
+                a, b = max(s, own[r][0]), min(e, own[r][1])
+                if b > a:
+                    loads[r] += prefix_pairs(b - s, n, causal, left, right) - prefix_pairs(
+                        a - s, n, causal, left, right
+                    )
+                r += 1
+            at = e
+    return loads
+
+
+def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int):
+    """The better of up to ``_PASSES`` packings (fewest documents left out, then balance)."""
+    best, shift = None, None
+    for _ in range(_PASSES):
+        got = _Packer(lengths, seq_len, c, causal, left, right, R, shift).run()
+        done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
+        loads = _column_loads(done, seq_len, c, causal, left, right)
+        mean = sum(loads) / c
+        score = (len(got[2]), max(loads) / mean if mean else 1.0)
+        if _DEBUG:
+            print("pass", score)
+        if best is None or score < best[0]:
+            best = (score, got)
+        if not 1 + _TOLERANCE < score[1] <= 1 + _RETRY_BELOW:
+            break  # balanced, or a document alone outweighs a column: another pass cannot help
+        # the next pass aims each column lower by what this one ended above the mean
+        shift = [(shift[r] if shift else 0.0) + (loads[r] - mean) for r in range(c)]
+    assert best is not None
+    return best[1]
+
+
+def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, n_rows: int | None):
+    total = sum(lengths)
+    R = n_rows if n_rows is not None else max(1, -(-total // seq_len))
+    live = [n for n in lengths if n]
+    if n_rows is None and live and total > len(live) * max(e - a for a, e in owner_ranges(seq_len, c)) // 2:
+        # documents longer than half a shard on average: nearly all must straddle, and placing
+        # them one by one costs more than it gains; first-fit rows (the planner balances them)
+        fit = _first_fit(lengths, seq_len)
+        return fit, [[lengths[i] for i in r] for r in fit], []
+    rows, lens, spill = _best_pass(lengths, seq_len, c, causal, left, right, R)
+
+    if spill and n_rows is None:
+        # some documents fit no cell: rather than rows of their own, take first-fit's rows and
+        # order each row's documents alone (a row that still cannot close keeps first-fit order)
+        rows, lens = [], []
+        for row in _first_fit(lengths, seq_len):
+            sub = [lengths[i] for i in row]
+            got = _best_pass(sub, seq_len, c, causal, left, right, 1)
+            if got[2]:
+                rows.append(list(row))
+                lens.append(sub)
+            else:
+                rows.append([row[j] if j != PAD else PAD for j in got[0][0]])
+                lens.append(got[1][0])
+        spill = []
+    return rows, lens, spill
+
+
+def _finish(rows: list[list[int]], lens: list[list[int]], seq_len: int, cp_size: int | None = None) -> PackOrder:
+    """Pad every row to ``seq_len``. For context parallelism, padding is cut at shard boundaries
+    and into segments of at most ``_PAD_PIECE`` tokens: as one document it would cost its
+    length squared over 2 pairs of wasted work, all on the last rank."""
+    padded = 0
+    cs = -(-seq_len // cp_size) if cp_size else seq_len
+    for b, (order, ln) in enumerate(zip(rows, lens)):
+        rest = seq_len - sum(ln)
+        if rest > 0:
+            order.append(PAD)
+            ln.append(rest)
+        padded += sum(n for i, n in zip(order, ln) if i == PAD)
+        if cp_size:
+            new_o, new_l, at = [], [], 0
+            for i, n in zip(order, ln):
+                if i != PAD:
+                    new_o.append(i)
+                    new_l.append(n)
+                else:
+                    end = at + n
+                    while at < end:
+                        step = min(end, (at // cs + 1) * cs, at + _PAD_PIECE) - at
+                        new_o.append(PAD)
+                        new_l.append(step)
+                        at += step
+                    continue
+                at += n
+            rows[b], lens[b] = new_o, new_l
+    return PackOrder(rows, lens, padded)
+
+
+def pack_order(
+    lengths: Sequence[int],
+    seq_len: int,
+    *,
+    cp_size: int | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> PackOrder:
+    """Rows of ``seq_len`` tokens as orders of the documents of ``lengths`` (each at most
+    ``seq_len``), for loaders that pack themselves.
+
+    Without ``cp_size``: first-fit in the given order. With ``cp_size``: every document once,
+    rows and order chosen so that the ``torch.chunk`` shards of ``cp_size`` ranks carry equal
+    attention work (counted for ``causal``/``window_size`` as the planner counts it, summed over
+    the rows: the rows are meant to be planned together, as one batch) and shard boundaries fall
+    between documents where the lengths allow. Deterministic: depends on the lengths only.
+    """
+    seq_len = check_length("seq_len", seq_len)
+    c = _check_cp(cp_size)
+    left, right = check_window(causal, window_size)
+    ls = _check_lengths(lengths, seq_len)
+    if c is None or c == 1:
+        rows = _first_fit(ls, seq_len)
+        return _finish(rows, [[ls[i] for i in row] for row in rows], seq_len)
+    rows, lens, _ = _cp_order(ls, seq_len, c, causal, left, right, None)
+    return _finish(rows, lens, seq_len, c)
+
+
+def _split(documents: Sequence[torch.Tensor], seq_len: int, split_long: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """Documents as pieces of at most ``seq_len`` tokens, and each piece's document index."""
+    pieces, owner = [], []
+    for i, d in enumerate(documents):
+        if not isinstance(d, torch.Tensor) or d.dim() < 1:
+            raise TypeError(f"documents[{i}] must be a tensor with a token dim first, got {type(d).__name__}")
+        if d.shape[0] > seq_len and not split_long:
+            raise ValueError(f"documents[{i}] has {d.shape[0]} tokens, more than seq_len={seq_len}")
+        for p in d.split(seq_len) if d.shape[0] > 0 else []:
+            pieces.append(p)
+            owner.append(i)
+    return pieces, owner
+
+
+def _materialise(
+    pieces: list[torch.Tensor], owner: list[int], order: PackOrder, seq_len: int, max_docs: int | None, pad_value
+) -> Packed:
+    from .layout import cu_seqlens_from_lengths
+
+    tail = pieces[0].shape[1:]
+    B = len(order.rows)
+    out = torch.full((B, seq_len, *tail), pad_value, dtype=pieces[0].dtype)
+    index = torch.full((B, seq_len), PAD, dtype=torch.int64)
+    for b, (row, ln) in enumerate(zip(order.rows, order.lengths)):
+        parts, at = [], 0
+        for j, n in zip(row, ln):
+            if j != PAD:
+                parts.append(pieces[j])
+                index[b, at : at + n] = owner[j]
+            else:
+                parts.append(out[b, at : at + n])
+            at += n
+        if parts:
+            out[b] = torch.cat(parts, 0)
+    cu = cu_seqlens_from_lengths(order.lengths, seq_len, max_docs=max_docs)
+    return Packed(out, cu, index, order.padded_fraction)
+
+
+def pack_documents(
+    documents: Sequence[torch.Tensor],
+    seq_len: int,
+    *,
+    cp_size: int | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    max_docs: int | None = None,
+    pad_value: float | int = 0,
+    split_long: bool = True,
+) -> Packed:
+    """Pack variable-length documents ``[L_i, ...]`` into rows ``[B, seq_len, ...]``.
+
+    A document longer than ``seq_len`` is cut into pieces of at most ``seq_len`` tokens, each its
+    own document (``split_long=False`` raises instead). Without ``cp_size``: first-fit in the
+    given order, the unfilled tail of a row is padding. With ``cp_size``: the order of
+    :func:`pack_order` (balanced ``torch.chunk`` shards for that many ranks, under the mask of
+    ``causal``/``window_size``; the rows are one batch). Padding is ``pad_value`` and every
+    padding segment is its own document. Returns :class:`Packed`
+    ``(rows, cu_seqlens, doc_index, padded_fraction)``.
+    """
+    if not documents:
+        raise ValueError("documents is empty")
+    seq_len = check_length("seq_len", seq_len)
+    pieces, owner = _split(documents, seq_len, split_long)
+    if not pieces:
+        raise ValueError("documents holds no tokens")
+    order = pack_order([p.shape[0] for p in pieces], seq_len, cp_size=cp_size, causal=causal, window_size=window_size)
+    return _materialise(pieces, owner, order, seq_len, max_docs, pad_value)
+
+
+def pack_stream(
+    documents: Iterable[torch.Tensor],
+    seq_len: int,
+    *,
+    cp_size: int,
+    rows: int = 1,
+    lookahead: int = 4,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    max_docs: int | None = None,
+    pad_value: float | int = 0,
+) -> Iterator[Packed]:
+    """Streaming :func:`pack_documents`: documents in, batches of ``rows`` packed rows out.
+
+    Holds the next ``lookahead`` batches' worth of tokens (``lookahead * rows * seq_len``) and
+    packs each batch from them: the oldest held documents worth half a batch always go in, the
+    rest is a cross-section of everything held (every length class in proportion), which the
+    CP-aware packer places; what it leaves stays for the next batch. So the documents older
+    than a given one shrink by about half a batch per batch: a document is out within about
+    ``4 * lookahead`` batches of being read (tests/test_packing.py checks ``4 * lookahead + 2``;
+    docs/packing.md has the measured waits and what look-ahead buys). Documents longer
+    than ``seq_len`` are split as in :func:`pack_documents`; ``doc_index`` counts documents
+    from the start of the stream.
+    """
+    seq_len = check_length("seq_len", seq_len)
+    c = check_count("cp_size", cp_size)
+    rows = check_count("rows", rows)
+    lookahead = check_count("lookahead", lookahead)
+    left, right = check_window(causal, window_size)
+    budget = lookahead * rows * seq_len
+    held: list[tuple[torch.Tensor, int]] = []  # (piece, document index), in arrival order
+    tokens, index, done = 0, 0, False
+    it = iter(documents)
+    while True:
+        while not done and tokens < budget:
+            try:
+                d = next(it)
+            except StopIteration:
+                done = True
+                break
+            pieces, _ = _split([d], seq_len, True)
+            held += [(p, index) for p in pieces]
+            tokens += sum(p.shape[0] for p in pieces)
+            index += 1
+        if not held:
+            return
+        lens = [p.shape[0] for p, _ in held]
+        placed = _stream_batch(lens, seq_len, c, causal, left, right, rows)
+        order = _finish(placed[0], placed[1], seq_len, c if c > 1 else None)
+        yield _materialise([p for p, _ in held], [i for _, i in held], order, seq_len, max_docs, pad_value)
+        taken = {j for r in order.rows for j in r if j != PAD}
+        held = [h for j, h in enumerate(held) if j not in taken]
+        tokens = sum(p.shape[0] for p, _ in held)
+
+
+def _stream_batch(
+    lens: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, rows: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """One batch of ``rows`` rows from held documents (indices into ``lens``, arrival order)."""
+    cap = rows * seq_len
+    pick: list[int] = []
+    total = 0
+    for i, n in enumerate(lens):  # the oldest half batch (at least one document) always goes in
+        if pick and total + n > cap // 2:
+            break
+        pick.append(i)
+        total += n
+    chosen = set(pick)
+    rest = sorted((i for i in range(len(lens)) if i not in chosen), key=lambda i: (-lens[i], i))
+    want = cap + cap // 32 - total  # a little more than fits: the packer needs choice to fill exactly
+    share = want / max(1, sum(lens[i] for i in rest))
+    acc = 0.0
+    for i in rest:  # systematic sample by tokens: every length class in proportion
+        acc += lens[i] * min(1.0, share)
+        if acc >= lens[i] / 2:
+            pick.append(i)
+            acc -= lens[i]
+    sub = [lens[i] for i in pick]
+    if c == 1:
+        fit = _first_fit(sub, seq_len)[:rows]
+        got = [[pick[j] for j in r] for r in fit]
+        return got, [[lens[i] for i in r] for r in got]
+    rws, lns, _ = _cp_order(sub, seq_len, c, causal, left, right, rows)
+    return [[pick[j] if j != PAD else PAD for j in r] for r in rws], lns
