@@ -25,6 +25,7 @@ __all__ = [
     "apply_kernel_options",
     "compile_fx",
     "create_fw_bw_graph",
+    "default_store",
     "flex_attention_backward_hop",
     "flex_attention_hop",
     "is_functorch_wrapped",
@@ -75,6 +76,11 @@ def private(module: str, name: str) -> Any:
 def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
     """The process group registered under ``group_name`` (what functional collectives take)."""
     return private("torch.distributed.distributed_c10d", "_resolve_process_group")(group_name)
+
+
+def default_store() -> torch.distributed.Store:
+    """The store ``init_process_group`` made (context parallelism's gloo companion groups)."""
+    return private("torch.distributed.distributed_c10d", "_get_default_store")()
 
 
 def _c10d_functional(name: str):

@@ -239,17 +239,25 @@ def test_gpu_torch_varlen_attn(window, backend):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (64, 0)), (False, (32, 16))])
 def test_gpu_flash_attn_varlen_func(causal, window):
-    """flash_attn_varlen_func itself (flash-attn 2 or FA4's cute interface, whichever is
-    installed) against ours with the same arguments."""
+    """flash_attn_varlen_func itself (flash-attn 2, else FA4's cute interface, whichever is
+    installed) against ours with the same arguments: out, and lse [H, T]."""
+    q, k, v, cu = _cuda_packed()
     try:
         from flash_attn import flash_attn_varlen_func
+
+        ref, ref_lse, _ = flash_attn_varlen_func(
+            q, k, v, cu, cu, 600, 600, causal=causal, window_size=window, return_attn_probs=True
+        )
     except ImportError:
         try:
             from flash_attn.cute import flash_attn_varlen_func
         except ImportError:
             pytest.skip("flash-attn is not installed")
-    q, k, v, cu = _cuda_packed()
-    ref = flash_attn_varlen_func(q, k, v, cu, cu, 600, 600, causal=causal, window_size=window)
-    ref = ref[0] if isinstance(ref, tuple) else ref
-    out = dp.doc_packed_attn_varlen(q, k, v, cu, 600, causal=causal, window_size=window)
+        cute_window = tuple(None if w < 0 else w for w in window)  # FA4 spells unbounded None
+        res = flash_attn_varlen_func(q, k, v, cu, cu, 600, 600, causal=causal, window_size=cute_window)
+        ref, ref_lse = res[:2] if isinstance(res, tuple) else (res, None)
+    out, lse = dp.doc_packed_attn_varlen(q, k, v, cu, 600, causal=causal, window_size=window, return_lse=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    if ref_lse is not None:
+        assert lse.shape == ref_lse.shape == (8, 1024)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-2, rtol=2e-2)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._doc_layout import get_layout
+from .._doc_layout import DocLayout, get_layout
 from . import comm
 from .plan import build_plan, owner_range
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 
-__all__ = ["backward", "forward", "get_schedule"]
+__all__ = ["backward", "forward", "get_schedule", "reject"]
 
 # Allowed work imbalance over the mean. Plans weigh moving one query against fetching one
 # key/value row by their sizes per token (q/out and gradients: H_q * D; k/v: H_kv * D).
@@ -42,59 +42,109 @@ def get_schedule(
     left: int,
     right: int,
     group_name: str,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    pass_: str = "forward",
 ) -> RankSchedule:
-    """This rank's schedule for the layout, built and cross-checked once per layout.
+    """This rank's schedule for the call, once every rank of the group agreed to make it.
 
-    Building is collective: every rank validates its inputs, then all ranks compare a
-    fingerprint of them (one all-gather) before any data moves, so a bad or mismatched input on
-    one rank raises ValueError on every rank instead of hanging or computing garbage.
+    Every call (cached or not) first checks its own inputs and finds its schedule (planning is
+    local, deterministic and collective-free, cached per layout), then all ranks exchange a
+    fingerprint of what the exchange depends on and an error flag (:func:`comm.check_agreement`,
+    one small all-gather on CPU, before any data moves). A bad or mismatched input on any rank
+    raises the same error on every rank; whether a rank re-planned never matters.
     """
     rank, size = comm.group_info(group_name)
     B, local_len, Hq, D = q.shape
     Hkv = k.shape[2]
-    key = ("cp_schedule", group_name, size, rank, causal, left, right, Hq, Hkv, q.device)
-    error, layout = None, None
-    start, end = owner_range(seq_len, size, rank)
+    fields: dict[str, object] = {}
+    error, schedule = None, None
     try:
         layout = get_layout(cu_seqlens, seq_len)
-    except ValueError as e:
-        error = e
-    if layout is not None:
+        fields = {
+            "cu_seqlens values": layout.derived(("cp_layout_tag",), lambda: _layout_tag(layout)),
+            "seq_len": seq_len,
+            "group size": size,
+            "causal": causal,
+            "window": (left, right),
+            "batch": B,
+            "q heads": Hq,
+            "k/v heads": Hkv,
+            "head dim": D,
+            "dtype": q.dtype,
+            "device type": q.device.type,
+            "scale": scale,
+            "pass": pass_,
+        }
+        start, end = owner_range(seq_len, size, rank)
         if local_len != end - start:
-            error = ValueError(
+            raise ValueError(
                 f"rank {rank} of the context-parallel group holds {local_len} tokens per row, but "
                 f"torch.chunk of seq_len={seq_len} over {size} ranks gives it {end - start}"
             )
-        elif layout.batch != B:
-            error = ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
-        cached = layout.derived_get(key)
-        if cached is not None:
-            if error is not None:  # shapes changed on this rank after the plan was agreed
-                raise error
-            return cached
-    comm.check_agreement(
-        group_name,
-        q.device,
-        "the context-parallel plan's inputs",
-        None if layout is None else layout.rows,
-        seq_len,
-        size,
-        causal,
-        left,
-        right,
-        Hq,
-        Hkv,
-        D,
-        str(q.dtype),
-        local_error=error,
-    )
-    assert layout is not None  # check_agreement raised every rank's error otherwise
+        if layout.batch != B:
+            raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
+        key = (size, rank, causal, left, right, Hq, Hkv, q.device)
+        schedule = _schedule(layout, key)
+        if backend != "auto":
+            _check_backend(layout, key, schedule, backend, q)
+    except Exception as e:  # noqa: BLE001  (every rank must hear of it: shared below, then raised)
+        error = e
+    comm.check_agreement(group_name, "a context-parallel call", fields, local_error=error)
+    assert schedule is not None  # check_agreement raised every rank's error otherwise
+    return schedule
+
+
+def reject(cp_group: object, error: Exception) -> None:
+    """Tell the other ranks of ``cp_group`` that this rank rejected its call (``doc_packed_attn``'s
+    own checks failed here), so they raise instead of waiting for it; returns when the group
+    cannot be resolved. The caller raises ``error`` afterwards (or this raises the shared one)."""
+    try:
+        name = cp_group if isinstance(cp_group, str) else cp_group.group_name  # type: ignore[attr-defined]
+        comm.group_info(name)
+    except Exception:  # noqa: BLE001  (no usable group: nobody is waiting on it)
+        return
+    comm.check_agreement(name, "a context-parallel call", None, local_error=error)
+
+
+def _layout_tag(layout: DocLayout) -> str:
+    """A short, readable fingerprint of a layout's boundaries (computed once per layout)."""
+    words = comm.fingerprint(layout.rows)
+    docs = sum(len(r) for r in layout.rows)
+    return f"{docs} documents in {layout.batch} rows, digest {words[0] & 0xFFFFFFFFFFFF:012x}{words[1] & 0xFFFF:04x}"
+
+
+def _schedule(layout: DocLayout, key: tuple) -> RankSchedule:
+    """Plan and schedule for ``key`` = (size, rank, causal, left, right, Hq, Hkv, device): host
+    work, no collective, memoised on the layout."""
+    size, rank, causal, left, right, Hq, Hkv, device = key
     query_cost = Hq / Hkv
     plan = layout.derived(
         ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
         lambda: build_plan(layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE),
     )
-    return layout.derived(key, lambda: build_schedule(plan, rank, q.device))
+    return layout.derived(("cp_schedule", *key), lambda: build_schedule(plan, rank, device))
+
+
+def _check_backend(layout: DocLayout, key: tuple, schedule: RankSchedule, backend: str, q: torch.Tensor) -> None:
+    """A forced backend must take every kernel call of this rank's schedule (the calls differ by
+    rank, so this is checked before the agreement, not inside the exchange)."""
+    why = layout.derived(
+        ("cp_backend", *key, backend, q.dtype, q.shape[-1]), lambda: _backend_refusal(schedule, backend, q, key[6])
+    )
+    if why:
+        raise ValueError(why)
+
+
+def _backend_refusal(schedule: RankSchedule, backend: str, q: torch.Tensor, Hkv: int) -> str:
+    flat = q.reshape(-1, *q.shape[2:])
+    for call in (*schedule.stage_a, *schedule.stage_b):
+        try:
+            kernels.choose(backend, call.spec, flat, Hkv)
+        except ValueError as e:
+            return f"{e} (a kernel call of this rank's context-parallel schedule)"
+    return ""
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +283,7 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first
 
 
 def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
-    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend)
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     kv_pending = _start_kv(sch, kf, vf, group_name)
@@ -265,7 +315,9 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
-    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name)
+    sch = get_schedule(
+        q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend, pass_="backward"
+    )
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]
     qf, kf, vf = _flat(q), _flat(k), _flat(v)

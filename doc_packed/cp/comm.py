@@ -2,22 +2,30 @@
 
 - :func:`start_all_to_all` / :func:`wait`: an AllToAll-V over ``all_to_all_single`` with
   per-peer split sizes, issued so that compute runs while it is in flight.
-- :func:`check_agreement`: one small all-gather proving every rank runs the same plan.
+- :func:`check_agreement`: one small all-gather per context-parallel call proving every rank
+  makes the same call, before any data moves (docs/contract.md, section 8).
 
-Split sizes are host ints taken from the plan, so no collective here needs a host sync.
+Split sizes are host ints taken from the plan, so no collective here needs a host sync. The
+agreement runs on CPU tensors, on the group itself when it has a CPU backend (gloo, or torch's
+default ``cpu:gloo,cuda:nccl``) and otherwise on a gloo companion group created at the group's
+first context-parallel call: a host round trip, never a device sync.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import struct
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from .. import _compat
 
-__all__ = ["all_to_all", "check_agreement", "group_info", "start_all_to_all", "wait"]
+__all__ = ["AGREEMENT_WORDS", "all_to_all", "check_agreement", "fingerprint", "group_info", "start_all_to_all", "wait"]
 
 
 def group_info(group_name: str) -> tuple[int, int]:
@@ -41,35 +49,148 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return _compat.wait_tensor(x)
 
 
-def fingerprint(*parts: object) -> torch.Tensor:
+# ----------------------------------------------------------------------------- agreement
+
+AGREEMENT_WORDS = 3  # int64 words each rank sends per call: a 128-bit fingerprint, an error flag
+
+
+def fingerprint(*parts: object) -> tuple[int, int]:
     """Two int64 words hashing ``parts`` (their ``repr``), for cross-rank comparison."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
-    return torch.tensor(struct.unpack("<qq", digest), dtype=torch.int64)
+    return struct.unpack("<qq", digest)
+
+
+@functools.lru_cache(maxsize=256)
+def _fields_fingerprint(items: tuple) -> tuple[int, int]:
+    return fingerprint(*items)
+
+
+class _Channel:
+    """Where a group's agreement runs: CPU tensors, a host round trip, no device work.
+
+    ``backend`` is None when the group itself takes CPU tensors, else its gloo companion. The
+    per-call message lives in preallocated buffers (NumPy views, so filling and reading them
+    costs no torch op).
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, backend: dist.ProcessGroupGloo | None):
+        self.pg, self.backend = pg, backend
+        self.size = dist.get_world_size(pg)
+        self._send = torch.zeros(AGREEMENT_WORDS, dtype=torch.int64)
+        self._recv = torch.zeros(self.size, AGREEMENT_WORDS, dtype=torch.int64)
+        self._send_np, self._recv_np = self._send.numpy(), self._recv.numpy()
+        self._recv_rows = list(self._recv.unbind(0))
+
+    def _gather(self, rows: list[torch.Tensor], x: torch.Tensor) -> None:
+        on: Any = self.pg if self.backend is None else self.backend  # c10d's allgather, no wrapper
+        on.allgather([rows], [x]).wait()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (1-D, CPU), as ``[size, len(x)]``."""
+        out = x.new_empty((self.size, x.numel()))
+        self._gather(list(out.unbind(0)), x)
+        return out
+
+    def exchange(self, words: tuple[int, ...]) -> list[list[int]]:
+        """The per-call message: every rank's :data:`AGREEMENT_WORDS` int64 words."""
+        self._send_np[:] = words
+        self._gather(self._recv_rows, self._send)
+        return self._recv_np.tolist()
+
+
+# group name -> (the ProcessGroup it resolved to, its channel); rebuilt if the name is reused
+_channels: dict[str, tuple[dist.ProcessGroup, _Channel]] = {}
+_companions_made: dict[tuple[int, ...], int] = {}  # global ranks -> companions made for them
+
+
+def _has_cpu_backend(pg: dist.ProcessGroup) -> bool:
+    """Whether collectives on CPU tensors run on ``pg`` itself (``gloo``, ``cpu:gloo,cuda:nccl``)."""
+    return any(part.split(":")[0] == "cpu" for part in dist.get_backend_config(pg).split(","))
+
+
+def _companion(pg: dist.ProcessGroup) -> dist.ProcessGroupGloo:
+    """A gloo group over ``pg``'s ranks. Collective: every rank of ``pg`` must create it together
+    (their first context-parallel call on ``pg``); its store prefix names the ranks, so it does
+    not depend on how many other groups each rank has made."""
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    n = _companions_made[ranks] = _companions_made.get(ranks, 0) + 1
+    prefix = f"doc_packed/cp_agreement/{'_'.join(map(str, ranks))}/{n}/"
+    store = dist.PrefixStore(prefix, _compat.default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(pg), len(ranks), default_pg_timeout)
+
+
+def _channel(group_name: str) -> _Channel:
+    pg = _compat.resolve_process_group(group_name)
+    hit = _channels.get(group_name)
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    channel = _Channel(pg, None if _has_cpu_backend(pg) else _companion(pg))
+    _channels[group_name] = (pg, channel)
+    return channel
+
+
+def _gather_text(channel: _Channel, text: str) -> list[str]:
+    """Every rank's ``text`` (two collectives: lengths, then the padded bytes). Error path only."""
+    data = text.encode()
+    n = channel.all_gather(torch.tensor([len(data)], dtype=torch.int64))[:, 0].tolist()
+    buf = torch.zeros(max(n), dtype=torch.uint8)
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    got = channel.all_gather(buf)
+    return [bytes(got[r, : n[r]].tolist()).decode(errors="replace") for r in range(channel.size)]
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+
+def _by_value(values: dict[int, str]) -> str:
+    """``"rank 0: a; ranks [1, 2]: b"``: which ranks hold which value."""
+    groups: dict[str, list[int]] = {}
+    for r, v in values.items():
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())
 
 
 def check_agreement(
-    group_name: str, device: torch.device, what: str, *parts: object, local_error: Exception | None = None
+    group_name: str, what: str, fields: dict[str, object] | None = None, *, local_error: Exception | None = None
 ) -> None:
-    """Raise ValueError on every rank if any rank has ``local_error`` or the ranks disagree.
+    """Return if every rank of the group passed the same ``fields`` and none has ``local_error``;
+    else raise the same error on every rank.
 
-    One all-gather of three int64 words per rank (a fingerprint of ``parts`` and an error flag).
-    The rank whose own inputs were bad re-raises its error; the others name it.
+    One all-gather of :data:`AGREEMENT_WORDS` int64 words per rank (a fingerprint of ``fields``
+    and an error flag), on CPU. Only when something is wrong, two more collectives gather each
+    rank's error message or its fields, so the error names the ranks and what differs. If every
+    rank failed with the same error, each raises its own; otherwise every rank raises one
+    ``ValueError`` with the same message (the local error chained as its cause).
     """
-    rank, size = group_info(group_name)
-    mine = torch.cat([fingerprint(*parts), torch.tensor([int(local_error is not None)])])
-    got = _compat.all_gather_into_tensor(mine.to(device), size, group_name).view(size, 3).cpu()
-    if local_error is not None:
-        raise local_error
-    failed = [r for r in range(size) if got[r, 2] != 0]
+    channel = _channel(group_name)
+    fields = fields or {}
+    try:
+        h = _fields_fingerprint(tuple(fields.items()))
+    except TypeError:  # an unhashable value
+        h = fingerprint(*fields.items())
+    rows = channel.exchange((*h, int(local_error is not None)))
+    failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
+        mine = "" if local_error is None else f"{type(local_error).__name__}: {local_error}"
+        texts = _gather_text(channel, mine)
+        if local_error is not None and len(failed) == channel.size and len(set(texts)) == 1:
+            raise local_error  # every rank raises this very error
+        told = _by_value({r: texts[r] for r in failed})
         raise ValueError(
-            f"context-parallel ranks {failed} of this group rejected their inputs (see their "
-            "errors); no data was exchanged"
-        )
-    differ = [r for r in range(size) if not torch.equal(got[r, :2], got[rank, :2])]
-    if differ:
+            f"context-parallel {_ranks(failed)} of this group rejected their inputs to {what} "
+            f"({told}); no data was exchanged"
+        ) from local_error
+    if any(row[:2] != rows[0][:2] for row in rows):
+        described = [json.loads(t) for t in _gather_text(channel, json.dumps({k: repr(v) for k, v in fields.items()}))]
+        names = list(dict.fromkeys(name for d in described for name in d))
+        differ = [
+            f"{name} ({_by_value({r: d.get(name, '(not given)') for r, d in enumerate(described)})})"
+            for name in names
+            if len({d.get(name) for d in described}) > 1
+        ]
         raise ValueError(
-            f"context-parallel ranks disagree on {what}: rank {rank} differs from ranks {differ} "
-            "of its group. Every rank of a context-parallel group must pass the same cu_seqlens, "
-            "sequence length, mask, head counts and dtype."
+            f"context-parallel ranks disagree on {what}: {', '.join(differ)}. Every rank of a "
+            "context-parallel group must make the same call (cu_seqlens values, sequence length, mask, "
+            "head counts, head dim, dtype, scale; forward or backward); no data was exchanged"
         )
