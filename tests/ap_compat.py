@@ -21,12 +21,10 @@ import torch
 
 
 def autoparallel_available() -> bool:
-    try:
-        import autoparallel.api  # noqa: F401
-        import pulp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether AutoParallel and pulp import (``doc_packed.env.autoparallel_status`` says why not)."""
+    from doc_packed.env import autoparallel_status
+
+    return autoparallel_status()[0]
 
 
 @contextlib.contextmanager
