@@ -97,7 +97,7 @@ def _check_local(q: torch.Tensor, seq_len: int) -> None:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return x.flatten(0, 1)  # a view where the strides allow ([B, S] mergeable), else one copy
 
 
 def forward_impl(
@@ -115,6 +115,7 @@ def forward_impl(
     B, S, Hq, D = q.shape
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
     out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend)
+    # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
     return out.view(B, S, Hq, D).contiguous(), lse.view(Hq, B, S).transpose(0, 1).contiguous()
 
 

@@ -254,8 +254,11 @@ def test_gpu_flash_attn_varlen_func(causal, window):
         except ImportError:
             pytest.skip("flash-attn is not installed")
         cute_window = tuple(None if w < 0 else w for w in window)  # FA4 spells unbounded None
-        res = flash_attn_varlen_func(q, k, v, cu, cu, 600, 600, causal=causal, window_size=cute_window)
-        ref, ref_lse = res[:2] if isinstance(res, tuple) else (res, None)
+        # FA4 takes them by keyword (its fourth positional is ``qv``)
+        ref, ref_lse = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600, causal=causal,
+            window_size=cute_window, return_lse=True,
+        )
     out, lse = dp.doc_packed_attn_varlen(q, k, v, cu, 600, causal=causal, window_size=window, return_lse=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     if ref_lse is not None:
