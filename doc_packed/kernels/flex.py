@@ -257,7 +257,12 @@ def _views(spec, *xs):
 
 
 def _run_pass(key, inputs: tuple, make_fn, compile_graph: bool):
-    """Run the compiled pass cached under ``key``; trace and compile ``make_fn()`` first if new."""
+    """Run the compiled pass cached under ``key``; trace and compile ``make_fn()`` first if new.
+
+    The inputs' strides join the key: a compiled graph asserts the strides it was traced with,
+    and a strided caller (``[B, H, S, D].transpose(1, 2)`` with B = 1 reaches here as a view)
+    lays its tensors out differently from a contiguous one."""
+    key = (*key, *(x.stride() for x in inputs if isinstance(x, torch.Tensor)))
     fn = _compiled.get(key)
     if fn is not None:
         return fn(*inputs)
