@@ -11,7 +11,9 @@ forward+backward (and forward alone) of:
 It reports per-rank bytes received per layer (forward), speedups over one GPU, the plan's
 balance, and bf16 parity of our CP output and gradients against the one-GPU op.
 
-Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]``.
+Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]
+[--packing greedy|cp|both]`` (``cp``: the same lognormal documents in CP-aware order,
+``doc_packed.pack_order``; the layout is then named "lognormal 2k cp-packed").
 """
 
 from __future__ import annotations
@@ -129,7 +131,24 @@ def _recv_bytes(plan, r: int, kv_bytes: int) -> int:
 # ----------------------------------------------------------------------------- worker
 
 
-def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | None, quick: bool, dry: bool):
+def layouts(S: int, world: int, packing: str) -> list[tuple[str, list[int]]]:
+    """(name, segment lengths of the row) to time. ``packing``: ``greedy`` keeps the drawn
+    order (first-fit of one row), ``cp`` reorders the same documents with
+    ``doc_packed.pack_order(..., cp_size=world)``, ``both`` times each."""
+    drawn = lognormal_lengths(S, 2048, seed=S)
+    out = [("one doc", [S])]
+    if packing in ("greedy", "both"):
+        out.append(("lognormal 2k", drawn))
+    if packing in ("cp", "both"):
+        order = dp.pack_order(drawn, S, cp_size=world)
+        assert len(order.lengths) == 1, "one row of documents packs into one row"
+        out.append(("lognormal 2k cp-packed", order.lengths[0]))
+    return out
+
+
+def worker(
+    rank: int, world: int, port: int, sizes: list[int], out_path: str | None, quick: bool, dry: bool, packing: str = "greedy"
+):
     global BACKEND, DTYPE, HQ, HKV, D
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if dry:
@@ -143,7 +162,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
     group = dist.group.WORLD
     rows = []
     for S in sizes:
-        for name, lengths in (("one doc", [S]), ("lognormal 2k", lognormal_lengths(S, 2048, seed=S))):
+        for name, lengths in layouts(S, world, packing):
             big = S >= 131072 and name == "one doc"
             warm, iters = (1, 2) if big or quick else (2, 5)
             q, k, v, dout, cu = random_attention_problem(lengths, S, (HQ, HKV), D, DTYPE, dev, seed=1)
@@ -192,7 +211,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out_path: str | N
                 o.backward(zdout)
                 return o
 
-            res = {"S": S, "layout": name, "docs": len(lengths), "gpus": world}
+            res = {"S": S, "layout": name, "docs": len(lengths), "gpus": world, "packing": "cp" if "cp-packed" in name else "greedy"}
             # every rank times the whole problem on its own GPU (they run side by side)
             res["one_gpu"] = {"fwd_ms": time_ms(lambda: one_gpu(False), warm, iters), "fwdbwd_ms": time_ms(lambda: one_gpu(True), warm, iters)}
             res["ours"] = {"fwd_ms": time_ms(lambda: ours(False), warm, iters), "fwdbwd_ms": time_ms(lambda: ours(True), warm, iters)}
@@ -275,12 +294,16 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu-dry-run", action="store_true", help="CPU/gloo, fp32, tiny heads: checks the script (pass small --sizes, e.g. 2048,4096)")
+    ap.add_argument(
+        "--packing", choices=["greedy", "cp", "both"], default="greedy",
+        help="document order of the lognormal row: as drawn (greedy), CP-aware (doc_packed.pack_order with cp_size=--gpus), or both",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run), nprocs=args.gpus)
+    mp.spawn(worker, args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run, args.packing), nprocs=args.gpus)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ relative error <= 1e-2 for out, <= 2e-2 for gradients, as tests/test_gpu.py).
 
     python bench/bench_cp_emulate.py --seq 131072 262144 --cp 2 4 8 --json out.json
     python bench/bench_cp_emulate.py --check --seq 16384 --cp 2 4
+    python bench/bench_cp_emulate.py --packing both --seq 131072 262144 --cp 2 4 8   # greedy vs CP-aware rows
+
+``--packing cp`` reorders each lognormal row's documents for the run's CP size
+(``doc_packed.pack_order``): same documents, same one-GPU work, the per-rank split changes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def _args():
     p.add_argument("--overlap", action="store_true", help="stand-in transfers of started all-to-alls on a side stream")
     p.add_argument("--sync-check", action="store_true", help="run each rank once more under set_sync_debug_mode('error')")
     p.add_argument("--top", type=int, default=0, help="also list the slowest rank's N most expensive kernels")
+    p.add_argument(
+        "--packing", choices=["greedy", "cp", "both"], default="greedy",
+        help="document order of the lognormal rows: as drawn, CP-aware for each --cp (doc_packed.pack_order), or both",
+    )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -59,11 +67,24 @@ from doc_packed.cp import comm  # noqa: E402
 GROUP = "emulated"
 
 
-def _lengths(name: str, S: int) -> list[int]:
+def _lengths(name: str, S: int, c: int = 1, packing: str = "greedy") -> list[int]:
+    """The row's segment lengths: drawn order, or with ``packing="cp"`` the same documents in
+    CP-aware order for ``c`` ranks (``doc_packed.pack_order``; needs a doc_packed that has it)."""
     if name == "one doc":
         return [S]
     mean = int(name.split()[1].replace("k", "000").replace("2000", "2048"))
-    return dp.lognormal_lengths(S, mean, seed=S)
+    drawn = dp.lognormal_lengths(S, mean, seed=S)
+    if packing == "greedy":
+        return drawn
+    order = dp.pack_order(drawn, S, cp_size=c)
+    assert len(order.lengths) == 1, "one row of documents packs into one row"
+    return order.lengths[0]
+
+
+def _packings(layout: str) -> list[str]:
+    if layout == "one doc" or ARGS.packing != "both":
+        return [ARGS.packing if layout != "one doc" else "greedy"]
+    return ["greedy", "cp"]
 
 
 # ----------------------------------------------------------------------------- comm stand-ins
@@ -220,8 +241,8 @@ def _split(run) -> dict:
     return out
 
 
-def timing(S, layout, c, Hq, Hkv, D, iters) -> dict:
-    lengths = _lengths(layout, S)
+def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
+    lengths = _lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     one = _timed(_fwd_bwd(q, k, v, dout, cu, S, None), iters)
     plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv)
@@ -255,14 +276,15 @@ def timing(S, layout, c, Hq, Hkv, D, iters) -> dict:
         x.pop("_run", None)
     spec_backend = kernels.choose("auto", kernels.VarlenSpec([0, 128], [0, 128], True, -1, 0), q[0, :128], Hkv)
     return dict(
-        S=S, layout=layout, cp=c, docs=len(lengths), one_gpu_ms=round(one, 3), ranks=ranks,
+        S=S, layout=layout, packing=packing, cp=c, docs=len(lengths), one_gpu_ms=round(one, 3), ranks=ranks,
+        q_moved=list(plan.q_moved_tokens), kv_recv=list(plan.kv_recv_tokens),
         slowest_ms=slow["ms"], efficiency=round(one / (c * slow["ms"]), 3), imbalance=round(plan.imbalance, 4),
         slowest_split=split, cp_backend=spec_backend,
     )
 
 
-def check(S, layout, c, Hq, Hkv, D) -> dict:
-    lengths = _lengths(layout, S)
+def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
+    lengths = _lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D, seed=1)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     ref_out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, D**-0.5, "auto", None)
@@ -297,11 +319,11 @@ def check(S, layout, c, Hq, Hkv, D) -> dict:
     for t in threads:
         t.join()
     if errors:
-        return dict(S=S, layout=layout, cp=c, error=errors[0])
+        return dict(S=S, layout=layout, packing=packing, cp=c, error=errors[0])
     got = [torch.cat([results[r][i] for r in range(c)], dim=1) for i in range(4)]
     rel = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
     ok = rel[0] <= 1e-2 and all(x <= 2e-2 for x in rel[1:])
-    return dict(S=S, layout=layout, cp=c, rel_out=rel[0], rel_dq=rel[1], rel_dk=rel[2], rel_dv=rel[3], ok=ok)
+    return dict(S=S, layout=layout, packing=packing, cp=c, rel_out=rel[0], rel_dq=rel[1], rel_dk=rel[2], rel_dv=rel[3], ok=ok)
 
 
 def main():
@@ -313,19 +335,20 @@ def main():
         for layout in ARGS.layouts:
             if layout == "one doc" and S > ARGS.max_one_doc:
                 continue
-            for c in ARGS.cp:
+            for c, packing in ((c, pk) for c in ARGS.cp for pk in _packings(layout)):
                 t0 = time.time()
-                row = check(S, layout, c, Hq, Hkv, ARGS.head_dim) if ARGS.check else timing(
-                    S, layout, c, Hq, Hkv, ARGS.head_dim, ARGS.iters
+                row = check(S, layout, c, Hq, Hkv, ARGS.head_dim, packing) if ARGS.check else timing(
+                    S, layout, c, Hq, Hkv, ARGS.head_dim, ARGS.iters, packing
                 )
                 rows.append(row)
                 if ARGS.check:
                     print(json.dumps(row), flush=True)
                 else:
                     print(
-                        f"S={S:>7} {layout:<14} cp={c}  one GPU {row['one_gpu_ms']:9.2f} ms  slowest rank "
+                        f"S={S:>7} {layout:<14} {packing:<6} cp={c}  one GPU {row['one_gpu_ms']:9.2f} ms  slowest rank "
                         f"{row['slowest_ms']:9.2f} ms  per-GPU efficiency {row['efficiency']:.3f}  imbalance "
-                        f"{row['imbalance']:.3f}  split {({k: v for k, v in row['slowest_split'].items() if k != 'top'})}"
+                        f"{row['imbalance']:.3f}  q moved max {max(row['q_moved'])}  K/V recv max {max(row['kv_recv'])}  "
+                        f"split {({k: v for k, v in row['slowest_split'].items() if k != 'top'})}"
                         f"  ({time.time() - t0:.0f} s)",
                         flush=True,
                     )

@@ -846,10 +846,11 @@ def pack_stream(
     Holds the next ``lookahead`` batches' worth of tokens (``lookahead * rows * seq_len``) and
     packs each batch from them: the oldest held documents worth half a batch always go in, the
     rest is a cross-section of everything held (every length class in proportion), which the
-    CP-aware packer places; what it leaves stays for the next batch. So the documents older
-    than a given one shrink by about half a batch per batch: a document is out within about
-    ``4 * lookahead`` batches of being read (tests/test_packing.py checks ``4 * lookahead + 2``;
-    docs/packing.md has the measured waits and what look-ahead buys). Documents longer
+    CP-aware packer places; what it leaves stays for the next batch. A document passed over
+    ``2 * lookahead`` times is placed by force (that batch is first-fit, oldest first, if the
+    packer left it out), so a document is out within about ``4 * lookahead`` batches of being
+    read (tests/test_packing.py checks ``4 * lookahead + 2``; docs/packing.md has the measured
+    waits and what look-ahead buys). Documents longer
     than ``seq_len`` are split as in :func:`pack_documents`; ``doc_index`` counts documents
     from the start of the stream.
     """
@@ -859,7 +860,7 @@ def pack_stream(
     lookahead = check_count("lookahead", lookahead)
     left, right = check_window(causal, window_size)
     budget = lookahead * rows * seq_len
-    held: list[tuple[torch.Tensor, int]] = []  # (piece, document index), in arrival order
+    held: list[tuple[torch.Tensor, int, int]] = []  # (piece, document index, batches passed over)
     tokens, index, done = 0, 0, False
     it = iter(documents)
     while True:
@@ -870,24 +871,26 @@ def pack_stream(
                 done = True
                 break
             pieces, _ = _split([d], seq_len, True)
-            held += [(p, index) for p in pieces]
+            held += [(p, index, 0) for p in pieces]
             tokens += sum(p.shape[0] for p in pieces)
             index += 1
         if not held:
             return
-        lens = [p.shape[0] for p, _ in held]
-        placed = _stream_batch(lens, seq_len, c, causal, left, right, rows)
+        lens = [p.shape[0] for p, _, _ in held]
+        overdue = {j for j, h in enumerate(held) if h[2] >= 2 * lookahead}
+        placed = _stream_batch(lens, seq_len, c, causal, left, right, rows, overdue)
         order = _finish(placed[0], placed[1], seq_len, c if c > 1 else None)
-        yield _materialise([p for p, _ in held], [i for _, i in held], order, seq_len, max_docs, pad_value)
+        yield _materialise([p for p, _, _ in held], [i for _, i, _ in held], order, seq_len, max_docs, pad_value)
         taken = {j for r in order.rows for j in r if j != PAD}
-        held = [h for j, h in enumerate(held) if j not in taken]
-        tokens = sum(p.shape[0] for p, _ in held)
+        held = [(p, i, w + 1) for j, (p, i, w) in enumerate(held) if j not in taken]
+        tokens = sum(p.shape[0] for p, _, _ in held)
 
 
 def _stream_batch(
-    lens: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, rows: int
+    lens: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, rows: int, overdue: set[int]
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """One batch of ``rows`` rows from held documents (indices into ``lens``, arrival order)."""
+    """One batch of ``rows`` rows from held documents (indices into ``lens``, arrival order);
+    the ``overdue`` ones (all among the oldest) must be placed."""
     cap = rows * seq_len
     pick: list[int] = []
     total = 0
@@ -912,4 +915,9 @@ def _stream_batch(
         got = [[pick[j] for j in r] for r in fit]
         return got, [[lens[i] for i in r] for r in got]
     rws, lns, _ = _cp_order(sub, seq_len, c, causal, left, right, rows)
+    placed = {pick[j] for r in rws for j in r if j != PAD}
+    if not overdue <= placed:
+        # an overdue document did not fit: first-fit, oldest first (keeps every wait bounded)
+        fit = _first_fit(sub, seq_len)[:rows]
+        rws, lns = fit, [[sub[j] for j in r] for r in fit]
     return [[pick[j] if j != PAD else PAD for j in r] for r in rws], lns
