@@ -81,6 +81,8 @@ def attention_flops(
 ) -> int:
     """FLOPs of one call (this rank's share when sequence-sharded)."""
     B, S_local, Hq, D = q.shape
+    if S_local == 0:
+        return 0  # an empty context-parallel shard (torch.chunk gave this rank nothing)
     right = 0 if causal else right
     pairs = total_pairs(cu_seqlens, seq_len, causal, left, right, doc_len)
     flops = 4 * pairs * Hq * D

@@ -3,11 +3,13 @@ spawn can import them). Each returns plain data (errors, messages, counts) for t
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 import doc_packed as dp
 from doc_packed import _doc_layout
@@ -48,14 +50,16 @@ def cp_step(rank, world, case, *, lse_loss=True, check=True):
         cu = dp.cu_seqlens_from_lengths(case["lengths"], S).to(case.get("cu_dtype", torch.int32))
     q, k, v, dout, dlse = _data(case.get("seed", 0), cu.shape[0], S, case["Hq"], case["Hkv"], case["D"], dtype)
     lq, lk, lv = (_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
-    out, lse = dp.doc_packed_attn(
-        lq, lk, lv, cu, causal=causal, window_size=window, return_lse=True, cp_group=_group(), seq_len=S,
-        scale=case.get("scale"),
-    )
-    loss = (out * _shard(dout, rank, world)).sum()
-    if lse_loss:
-        loss = loss + (lse * _shard(dlse, rank, world, dim=2)).sum()
-    grads = torch.autograd.grad(loss, (lq, lk, lv))
+    # count_flops: under FlopCounterMode (the custom op and its flop formula run, not the eager path)
+    with FlopCounterMode(display=False) if case.get("count_flops") else contextlib.nullcontext():
+        out, lse = dp.doc_packed_attn(
+            lq, lk, lv, cu, causal=causal, window_size=window, return_lse=True, cp_group=_group(), seq_len=S,
+            scale=case.get("scale"),
+        )
+        loss = (out * _shard(dout, rank, world)).sum()
+        if lse_loss:
+            loss = loss + (lse * _shard(dlse, rank, world, dim=2)).sum()
+        grads = torch.autograd.grad(loss, (lq, lk, lv))
     if not check:
         return None
     rq, rk, rv = (t.double().clone().requires_grad_() for t in (q, k, v))

@@ -40,6 +40,7 @@ def _shard_cases(world: int) -> list[dict]:
         # S=6 over 4: chunks of 2, 2, 2 and nothing; S=5: 2, 2, 1, 0; S=9: 3, 3, 3, 0
         out += [
             dict(lengths=[[6]], S=6, Hq=2, Hkv=1, D=4),
+            dict(lengths=[[6]], S=6, Hq=2, Hkv=1, D=4, count_flops=True),  # flop formula, empty shard
             dict(lengths=[[2, 3], [5]], S=5, Hq=1, Hkv=1, D=4),
             dict(lengths=[[4, 5], [1, 8]], S=9, Hq=2, Hkv=1, D=4, causal=False, window=(1, 2)),
         ]
