@@ -56,16 +56,18 @@ def progress(say, what: str):
     say(f"      {what}: {time.perf_counter() - t0:.1f} s")
 
 
-def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Random documents of lognormal lengths (some longer than a shard, some 1 token)."""
+def make_batches(args, cp_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random documents of lognormal lengths (some longer than a shard, some 1 token), packed
+    for ``cp_size`` ranks (docs/packing.md; None: first-fit)."""
     rng = random.Random(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     batches = []
     for _ in range(args.steps):
         lengths = lognormal_lengths(args.batch * args.seq, args.mean_doc, rng)
         docs = [torch.randint(0, MODEL["vocab"], (n + 1,), generator=g) for n in lengths]
-        rows, cu = dp.pack_documents([d[:-1] for d in docs], args.seq, max_docs=args.seq // 4)
-        targets, _ = dp.pack_documents([d[1:] for d in docs], args.seq, max_docs=args.seq // 4)
+        # the same lengths give the same order: targets line up with inputs
+        rows, cu = dp.pack_documents([d[:-1] for d in docs], args.seq, cp_size=cp_size, max_docs=args.seq // 4)
+        targets, _ = dp.pack_documents([d[1:] for d in docs], args.seq, cp_size=cp_size, max_docs=args.seq // 4)
         batches.append((rows[: args.batch], targets[: args.batch], cu[: args.batch].contiguous()))
     return batches
 
@@ -206,7 +208,7 @@ def rank_main(rank: int, world: int, port: int, args):
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        batches = make_batches(args)
+        batches = make_batches(args, cp_size=world)
         t0 = time.perf_counter()
         say(f"[1/4] single-process reference ({args.steps} steps)...")
         init, ref_losses, ref_final = reference(batches, args.lr)
@@ -336,6 +338,24 @@ def _context_parallel(r: Result) -> list[str]:
              f"max/mean {p.imbalance:.3f})"),
         _row("K/V received", f"{list(p.kv_recv_tokens)} tokens per rank (all-gather: {all_gather} each)"),
         _row("queries moved", f"{list(p.q_moved_tokens)} tokens per rank (computed for another rank)"),
+        *_greedy_packing(r),
+    ]  # fmt: skip
+
+
+def _greedy_packing(r: Result) -> list[str]:
+    """The first step's documents packed first-fit instead of CP-aware: what the plan would move."""
+    a = r.args
+    pieces = []  # the first step's input documents (n tokens each), split as pack_documents splits
+    for n in lognormal_lengths(a.batch * a.seq, a.mean_doc, random.Random(a.seed)):
+        pieces += [a.seq] * (n // a.seq) + ([n % a.seq] if n % a.seq else [])
+    cu = dp.cu_seqlens_from_lengths(dp.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
+    if cu.shape == r.batches[0][2].shape and torch.equal(cu, r.batches[0][2]):
+        return [_row("packing", "first-fit (greedy)")]
+    g = dp.plan_context_parallel(cu, r.world)
+    return [
+        _row("packing", f"CP-aware (pack_documents(..., cp_size={r.world})); the figures above are for it"),
+        _row("  if greedy instead", f"queries moved {list(g.q_moved_tokens)}, K/V received "
+             f"{list(g.kv_recv_tokens)} tokens per rank (same documents packed first-fit; max/mean {g.imbalance:.3f})"),
     ]  # fmt: skip
 
 

@@ -698,6 +698,34 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
                 rows.append([row[j] if j != PAD else PAD for j in got[0][0]])
                 lens.append(got[1][0])
         spill = []
+    if n_rows is None:
+        # never worse than first-fit on the heaviest rank (a safety net for inputs the greedy
+        # assignment handles badly; measured: long+short documents in several rows)
+        fit = _first_fit(lengths, seq_len)
+        fit_lens = [[lengths[i] for i in r] for r in fit]
+        if len(fit) <= len(rows):
+            mine = max(
+                _column_loads(
+                    _finish([list(r) for r in rows], [list(x) for x in lens], seq_len, c).lengths,
+                    seq_len,
+                    c,
+                    causal,
+                    left,
+                    right,
+                )
+            )
+            theirs = max(
+                _column_loads(
+                    _finish([list(r) for r in fit], [list(x) for x in fit_lens], seq_len).lengths,
+                    seq_len,
+                    c,
+                    causal,
+                    left,
+                    right,
+                )
+            )
+            if theirs < mine:
+                return fit, fit_lens, []
     return rows, lens, spill
 
 
