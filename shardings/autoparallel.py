@@ -201,6 +201,8 @@ def describe_attention(
     ``autop.sharding_optimizer.get_json()`` (placements, costs and source line of every node)
     and ``autop.sharding_optimizer.get_log(verbose=True)``.
     """
+    if alternatives and (not isinstance(top, int) or top < 0):
+        raise ValueError(f"top must be an int >= 0 (alternatives listed besides the chosen one), got {top!r}")
     chosen, normalize = chosen_decisions(autop.sharding_optimizer)
     mesh = autop.mesh
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
@@ -337,6 +339,10 @@ def sequence_break_even(
     layer's forward + backward, by :func:`attention_time_us` (``shape``: its keyword arguments
     but ``seq_len`` and ``backward``). Doubles the length until sequence wins, then bisects."""
     step = mesh.size(dim)
+    if other == "sequence":
+        raise ValueError("other must be the layout to compare with: 'replicate', 'batch' or 'heads', not 'sequence'")
+    if limit < step:
+        raise ValueError(f"limit must be at least the mesh dim's size ({step}), got {limit}")
 
     def cost(S: int, kind: str) -> float:
         return sum(attention_time_us(mesh, dim, kind, seq_len=S, backward=b, **shape) for b in (False, True))

@@ -232,6 +232,10 @@ def test_describe_attention_alternatives_are_autoparallels_estimates():
         assert "instead: cp: sequence" in str(c) and " ms" in str(c)
     plain = describe_attention(autop, placement, print_report=False)
     assert all(c.alternatives == [] for c in plain)
+    one = describe_attention(autop, placement, print_report=False, alternatives=True, top=0)
+    assert all(len(c.alternatives) == 1 and c.alternatives[0].chosen for c in one)
+    with pytest.raises(ValueError, match="top must be an int >= 0"):
+        describe_attention(autop, placement, print_report=False, alternatives=True, top=-1)
 
 
 def test_sequence_break_even_is_where_the_costs_cross():
@@ -251,6 +255,12 @@ def test_sequence_break_even_is_where_the_costs_cross():
         assert sequence_break_even(autop.mesh, 0, "replicate", start=2048, **dict(kw, doc_len=0)).seq_len < be.seq_len
         never = sequence_break_even(autop.mesh, 0, "replicate", start=2048, limit=4096, **kw)
         assert never.seq_len is None and never.limit == 4096
+        with pytest.raises(ValueError, match="other must be the layout to compare with"):
+            sequence_break_even(autop.mesh, 0, "sequence", **kw)
+        with pytest.raises(ValueError, match="limit must be at least"):
+            sequence_break_even(autop.mesh, 0, "replicate", limit=2, **kw)
+        with pytest.raises(ValueError, match="kind must be"):
+            sequence_break_even(autop.mesh, 0, "diagonal", **kw)
 
 
 E2E_CFG = dict(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2)
