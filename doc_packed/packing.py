@@ -48,7 +48,7 @@ _TOLERANCE = 0.004  # imbalance below which one pass is enough (the planner move
 _RETRY_BELOW = 0.05  # ... and above which a second pass does not help (measured)
 _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding: <= 64 per token)
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
-_SLACK = 50  # 1/50 of every cell is left free while assigning: room for swaps, closed by the reserve
+_SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
 _RESERVE_PER_ROW = 12  # shortest documents held back per row to close cells exactly
 PAD = -1  # the document index of padding segments and padding positions
 
