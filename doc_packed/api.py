@@ -146,7 +146,9 @@ def doc_packed_attn(
         return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
             float64 inputs, natural log). Gradients through it are supported.
         backend: ``"auto"`` (default: the fastest that takes the input), ``"fa4"``,
-            ``"flex"``, ``"flash"`` or ``"math"`` (see :mod:`doc_packed.kernels`).
+            ``"flex"``, ``"flash"`` or ``"math"`` (see :mod:`doc_packed.kernels`);
+            ``"auto-isolated"``: the fastest that keeps a NaN/Inf inside its document;
+            ``"auto-invariant"``: the fastest batch-invariant one (docs/contract.md).
         cp_group: run context-parallel over this group: ``q/k/v`` are this rank's
             ``torch.chunk`` of the sequence dim, ``cu_seqlens`` is the whole rows' layout.
         seq_len: with ``cp_group``, the whole row length when the chunks are uneven

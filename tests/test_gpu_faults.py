@@ -92,7 +92,7 @@ def _hit_documents(poisoned, clean, dtype) -> set[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("target", ["q", "k", "v", "dout"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-@pytest.mark.parametrize("backend", ["flash", FA4, "math"])
+@pytest.mark.parametrize("backend", ["flash", FA4, "math", "auto-isolated"])
 def test_isolating_backends_keep_a_bad_value_in_its_document(backend, target, bad):
     poisoned, clean = _run(backend, target, bad)
     assert _hit_documents(poisoned, clean, torch.bfloat16) == set()

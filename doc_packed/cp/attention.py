@@ -87,7 +87,7 @@ def get_schedule(
             raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
         key = (size, rank, causal, left, right, Hq, Hkv, q.device)
         schedule = _schedule(layout, key)
-        if backend != "auto":
+        if backend not in kernels.AUTO_MODES:
             _check_backend(layout, key, schedule, backend, q)
     except Exception as e:  # noqa: BLE001  (every rank must hear of it: shared below, then raised)
         error = e

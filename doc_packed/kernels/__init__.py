@@ -14,6 +14,13 @@ Backends, in the order ``auto`` tries them (:data:`TABLE`):
 ``auto`` runs the first that takes the problem (see :func:`choose`); a forced backend that
 cannot raises ``ValueError`` naming the rule. Every backend produces and consumes the same
 ``(out, lse)``, so passes may differ.
+
+Two stricter automatic modes keep ``auto``'s order but skip backends without a property
+(docs/contract.md, sections 4 and 5):
+- ``"auto-isolated"``: only backends that keep a NaN/Inf inside its document (not flex, whose
+  blocks straddle documents): fa4, flash, math.
+- ``"auto-invariant"``: only batch-invariant backends, whose bits for a document depend on
+  that document alone: math (flash's and FA4's backward accumulate non-deterministically).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from . import fa4, flash, flex, math
 from .spec import VarlenSpec, lse_dtype
 
 __all__ = [
+    "AUTO_MODES",
     "BACKENDS",
     "TABLE",
     "Backend",
@@ -51,23 +59,29 @@ class Backend(NamedTuple):
     why_not: Callable[[torch.Tensor, VarlenSpec | None, int | None], str | None]
     any_shape: bool  # ``auto`` may pick it for context-parallel calls (new shapes every step)
     fallback_on: tuple[type[Exception], ...]  # errors after which ``auto`` stops using it
+    isolated: bool  # a NaN/Inf stays in its document (forward and backward)
+    invariant: bool  # batch-invariant: a document's bits depend on that document alone
 
 
 # ``auto``'s order: FA4 measured fastest on Hopper in every layout we ran, flex next (faster
 # than torch's varlen kernel everywhere on H100/H200; docs/benchmarks.md)
 TABLE: tuple[Backend, ...] = (
-    Backend("fa4", fa4, lambda q, spec, kv: fa4.unsupported_reason(q, kv), True, (fa4.Unavailable,)),
+    Backend("fa4", fa4, lambda q, spec, kv: fa4.unsupported_reason(q, kv), True, (fa4.Unavailable,), True, False),
     Backend(
         "flex",
         flex,
         lambda q, spec, kv: flex.unsupported_reason(q, None if spec is None else flex.problem_rows(spec)),
         False,
         (flex.CompileError,),
+        False,
+        False,
     ),
-    Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, ()),
-    Backend("math", math, lambda q, spec, kv: None, True, ()),
+    Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, (), True, False),
+    Backend("math", math, lambda q, spec, kv: None, True, (), True, True),
 )
-BACKENDS = ("auto", *(b.name for b in TABLE))
+# automatic modes -> the property a backend needs to be picked (None: any)
+AUTO_MODES: dict[str, str | None] = {"auto": None, "auto-isolated": "isolated", "auto-invariant": "invariant"}
+BACKENDS = (*AUTO_MODES, *(b.name for b in TABLE))
 
 _broken: dict[str, Exception] = {}  # backends that failed to load/compile under ``auto``
 
@@ -86,7 +100,7 @@ def reasons(q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | Non
 
 def check_backend(backend: str, q: torch.Tensor, kv_heads: int | None = None) -> None:
     """Raise if ``backend`` is unknown or a forced backend cannot take ``q`` at all."""
-    if backend == "auto":
+    if backend in AUTO_MODES:
         return
     why = _entry(backend).why_not(q, None, kv_heads)
     if why is not None:
@@ -98,15 +112,19 @@ def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None
 
     ``auto``: the first backend of :data:`TABLE` that takes the problem, skipping flex for
     context-parallel calls (``spec.row_len is None``) and any backend that failed to load or
-    compile earlier. A forced backend that cannot take it raises ``ValueError`` with the rule.
+    compile earlier; ``auto-isolated`` / ``auto-invariant`` also skip backends without that
+    property. A forced backend that cannot take it raises ``ValueError`` with the rule.
     """
-    if backend != "auto":
+    if backend not in AUTO_MODES:
         why = _entry(backend).why_not(q, spec, kv_heads)
         if why is not None:
             raise ValueError(f"backend={backend!r} {why}")
         return backend
     local = spec.row_len is not None
+    needs = AUTO_MODES[backend]
     for b in TABLE:
+        if needs is not None and not getattr(b, needs):
+            continue
         if b.name not in _broken and (local or b.any_shape) and b.why_not(q, spec, kv_heads) is None:
             return b.name
     return "math"  # pragma: no cover - math takes everything
@@ -119,12 +137,12 @@ def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: 
         try:
             return getattr(entry.module, pass_)(spec, *args)
         except entry.fallback_on as err:
-            if backend != "auto":
+            if backend not in AUTO_MODES:
                 raise
             _broken[name] = err
-            name = choose("auto", spec, q, kv_heads)
+            name = choose(backend, spec, q, kv_heads)
             warnings.warn(
-                f"doc_packed: backend {entry.name!r} failed ({err}); backend='auto' uses {name!r} from now on",
+                f"doc_packed: backend {entry.name!r} failed ({err}); backend={backend!r} uses {name!r} from now on",
                 RuntimeWarning,
                 stacklevel=4,
             )
