@@ -224,15 +224,14 @@ class _Rows:
             self.out.index_copy_(0, rows, o_new)
             self.lse.index_copy_(1, rows, l_new)
             return
+        # few ops on purpose: a context-parallel rank is host-bound at CP >= 4 (section 9 of
+        # docs/benchmarks.md), and each op here costs a launch
         acc = kernels.lse_dtype(self.dtype)
-        o_old, l_old = self.out.index_select(0, rows).to(acc), self.lse.index_select(1, rows)
-        m = torch.maximum(l_old, l_new)
-        m = m.masked_fill(m == float("-inf"), 0.0)
-        w_old, w_new = torch.exp(l_old - m), torch.exp(l_new - m)
-        total = w_old + w_new
-        lse = m + torch.log(total)  # -inf where neither saw a key
-        scale = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-        merged = (o_old * (w_old * scale).t()[..., None]) + (o_new.to(acc) * (w_new * scale).t()[..., None])
+        l_old = self.lse.index_select(1, rows)
+        lse = torch.logaddexp(l_old, l_new)  # -inf where neither saw a key; NaN stays NaN
+        # each side's weight exp(l - lse) ([2, H, n]); 0 on rows that saw no key at all
+        w = torch.where(torch.isneginf(lse), 0.0, torch.exp(torch.stack([l_old, l_new]) - lse)).transpose(1, 2)
+        merged = torch.addcmul(o_new.to(acc) * w[1, ..., None], self.out.index_select(0, rows).to(acc), w[0, ..., None])
         self.out.index_copy_(0, rows, merged.to(self.dtype))
         self.lse.index_copy_(1, rows, lse)
 

@@ -1,0 +1,91 @@
+"""Where one context-parallel rank's host time goes, on one GPU (cProfile of forward + backward).
+
+Emulates every rank of a CP group as ``bench/bench_cp_emulate.py`` does (collectives replaced
+by copies of the same bytes), picks the slowest rank, and runs its forward and backward
+directly (``doc_packed.cp.attention.forward`` / ``backward``, in this thread, without autograd,
+so cProfile sees both passes). Prints the rank's ms per forward+backward with the host running
+ahead (one sync per loop), the same with a sync per call, and cProfile's top functions.
+Usage: ``python bench/profile_cp_rank.py --seq 131072 --cp 8 --layout "lognormal 2k"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from doc_packed.cp import attention as cp_attention
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=131072)
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--layout", default="lognormal 2k")
+    ap.add_argument("--packing", default="greedy", choices=["greedy", "cp"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    sys.argv = sys.argv[:1]  # bench_cp_emulate parses the command line when imported
+    import bench_cp_emulate as emu
+
+    emu.ARGS = argparse.Namespace(overlap=False, top=0, packing=args.packing)
+    S, c, Hq, Hkv, D = args.seq, args.cp, 32, 8, 128
+    q, k, v, dout, cu = emu._problem(S, emu._lengths(args.layout, S, c, args.packing), Hq, Hkv, D)
+    scale = D**-0.5
+    runs = {}
+    for r in range(c):
+        emu._install(emu._CopyComm(r, c))
+        lq, lk, lv, ld = (t.chunk(c, dim=1)[r].contiguous() for t in (q, k, v, dout))
+
+        def step(lq=lq, lk=lk, lv=lv, ld=ld):
+            out, lse = cp_attention.forward(lq, lk, lv, cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+            cp_attention.backward(ld, lq, lk, lv, out, lse, cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+        runs[r] = ((time.perf_counter() - t0) / args.iters * 1e3, step)
+    slow = max(runs, key=lambda r: runs[r][0])
+    emu._install(emu._CopyComm(slow, c))
+    step = runs[slow][1]
+    synced = []
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        synced.append((time.perf_counter() - t0) * 1e3)
+    host = []
+    for _ in range(args.iters):  # host time alone: the call returns before the GPU finishes
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  S={S} {args.layout} ({args.packing}) CP={c}")
+    print("| rank | ms per fwd+bwd (host runs ahead) |\n|---|---|")
+    for r, (ms, _) in runs.items():
+        print(f"| {r} | {ms:.2f} |")
+    print(f"\nslowest rank {slow}: {sorted(synced)[len(synced) // 2]:.2f} ms synced per call, "
+          f"host time until the call returns {sorted(host)[len(host) // 2]:.2f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.iters):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
