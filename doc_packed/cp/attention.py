@@ -256,12 +256,13 @@ class _Grad:
             return
         if self.t is None:
             self.t = torch.zeros((self.n, *self.tail), dtype=self.dtype, device=self.device)
+        part = part.to(self.dtype)
+        # one add per element and call (the rows are distinct), so adding in the gradient's dtype
+        # rounds exactly as a float32 sum cast back would; few ops: the rank is host-bound
         if rows is None:
-            rows = torch.arange(part.shape[0], device=part.device)
-        index = rows + r0
-        acc = kernels.lse_dtype(self.dtype)
-        total = self.t.index_select(0, index).to(acc) + part.index_select(0, rows).to(acc)
-        self.t.index_copy_(0, index, total.to(self.dtype))
+            self.t[r0 : r0 + part.shape[0]] += part
+        else:
+            self.t.index_add_(0, rows + r0, part.index_select(0, rows))
 
     def result(self) -> torch.Tensor:
         if self.t is None:
