@@ -49,6 +49,11 @@ def _args():
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
         help="document order of the lognormal rows: as drawn, CP-aware for each --cp (doc_packed.pack_order), or both",
     )
+    p.add_argument(
+        "--entry", choices=["op", "eager"], default="op",
+        help="call torch.ops.doc_packed.attn_fwd with its autograd (as compiled graphs do), or "
+        "doc_packed._eager.attention (what plain eager doc_packed_attn calls run)",
+    )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -211,7 +216,13 @@ def _timed(fn, iters: int) -> float:
 def _fwd_bwd(q, k, v, dout, cu, S, group):
     def run():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, q.shape[-1] ** -0.5, "auto", group)
+        args = (qq, kk, vv, cu, S, True, -1, 0, q.shape[-1] ** -0.5, "auto", group)
+        if ARGS.entry == "eager":
+            from doc_packed import _eager
+
+            out, _ = _eager.attention(*args, 0, None)
+        else:
+            out, _ = torch.ops.doc_packed.attn_fwd(*args)
         torch.autograd.backward(out, dout)
 
     return run
