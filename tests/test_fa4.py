@@ -306,7 +306,7 @@ def test_forced_fa4_on_cpu_raises_before_any_kernel():
 def test_unknown_backend_lists_the_table():
     q = torch.randn(1, 16, 4, 64)
     cu = dp.cu_seqlens_from_lengths([[16]], 16)
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'fa4', 'flex', 'flash', 'math'\), got 'fa3'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'auto-isolated', 'auto-invariant', 'fa4', 'flex', 'flash', 'math'\), got 'fa3'"):
         dp.doc_packed_attn(q, q, q, cu, backend="fa3")
 
 
