@@ -413,30 +413,27 @@ class _Packer:
                 return
             i, other, b2 = best
             bi = where[i][0]
-            self.cell[bi][h].remove(i)
-            self.cell[b2][lo].append(i)
+            self._move(i, (bi, h), (b2, lo), room, where)
             moved = net[i]
-            room[bi][h] += self.L[i]
-            room[b2][lo] -= self.L[i]
-            self.used[bi][h] -= self.L[i]
-            self.used[b2][lo] += self.L[i]
-            self.colw[h] -= self.work[i]
-            self.colw[lo] += self.work[i]
-            where[i] = (b2, lo)
             if other is not None:
-                k = other
-                self.cell[b2][lo].remove(k)
-                self.cell[bi][h].append(k)
-                moved -= net[k]
-                room[b2][lo] += self.L[k]
-                room[bi][h] -= self.L[k]
-                self.used[b2][lo] -= self.L[k]
-                self.used[bi][h] += self.L[k]
-                self.colw[lo] -= self.work[k]
-                self.colw[h] += self.work[k]
-                where[k] = (bi, h)
+                self._move(other, (b2, lo), (bi, h), room, where)
+                moved -= net[other]
             proj[h] -= moved
             proj[lo] += moved
+
+    def _move(self, i: int, src: tuple[int, int], dst: tuple[int, int], room, where) -> None:
+        """Document ``i`` from cell ``src`` to the end of cell ``dst`` (``(row, column)``), with
+        the rooms, fills and column loads that follow it."""
+        (bs, rs), (bd, rd) = src, dst
+        self.cell[bs][rs].remove(i)
+        self.cell[bd][rd].append(i)
+        room[bs][rs] += self.L[i]
+        room[bd][rd] -= self.L[i]
+        self.used[bs][rs] -= self.L[i]
+        self.used[bd][rd] += self.L[i]
+        self.colw[rs] -= self.work[i]
+        self.colw[rd] += self.work[i]
+        where[i] = dst
 
     # -- 3. close the cells ---------------------------------------------------------------------
     def _exact(self, space: int, own: list[int]) -> list[int] | None:
