@@ -170,9 +170,7 @@ def check_qkv(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if k.shape[3] != D:
         raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {D}")
-    Hkv = k.shape[2]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
+    check_gqa(Hq, k.shape[2])
     if B == 0 or (S == 0 and not shard) or Hq == 0 or D == 0:  # a CP shard may be empty
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -193,6 +191,12 @@ def check_qkv(
     check_cu_seqlens(cu_seqlens)
     if cu_seqlens.shape[0] != B:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
+
+
+def check_gqa(Hq: int, Hkv: int) -> None:
+    """q heads must be a whole multiple of k/v heads (GQA/MQA without repeating K/V)."""
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
 
 
 def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen: object) -> None:
@@ -216,9 +220,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
         raise ValueError(f"k and v hold {k.shape[0]} tokens but q holds {T}; one cu_seqlens serves q and k/v")
     if k.shape[2] != D:
         raise ValueError(f"k's head dim {k.shape[2]} must equal q's head dim {D}")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
+    check_gqa(Hq, k.shape[1])
     if T == 0 or Hq == 0 or D == 0:
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
