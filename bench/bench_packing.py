@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* from the root
 
 from bench.cp_model import DISTS, HKV, HQ, make_layout, row_lengths, token_label  # noqa: E402
+from bench.simulate_cp import markdown_table  # noqa: E402
 from doc_packed._doc_layout import DocLayout  # noqa: E402
 from doc_packed._mask import prefix_pairs  # noqa: E402
 from doc_packed.cp.plan import build_plan, chunk_len  # noqa: E402
@@ -126,12 +127,6 @@ def _goal(r: dict) -> str:
     return "forced" if r["lb"] > 0.01 * r["B"] * r["S"] * (r["c"] - 1) / r["c"] else "missed"
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def grid_table(res: list[dict]) -> str:
     rows = []
     for r in res:
@@ -144,7 +139,7 @@ def grid_table(res: list[dict]) -> str:
             lb, near, f"{g['imb0']:.3f}", f"{p['imb0']:.3f}", f"{g['imb']:.3f}", f"{p['imb']:.3f}",
             f"{100 * p['pad']:.2f}%", f"{r['pack_ms']:.1f}", _goal(r),
         ])
-    return _table(
+    return markdown_table(
         ["dist", "S", "B", "cp", "mean docs / shard", "q moved greedy", "q moved cp", "K/V greedy",
          "K/V cp", "K/V / AG greedy", "K/V / AG cp", "K/V forced (LB)", "cp / LB",
          "imb owner-first greedy", "imb owner-first cp", "imb plan greedy", "imb plan cp",
@@ -211,7 +206,7 @@ def stream_table(res: list[dict]) -> str:
         f"{100 * r['q0']:.0f}%", f"{r['q']:.0f}", f"{100 * r['kv_ag']:.2f}%", f"{r['imb0']:.3f}",
         f"{r['imb0_max']:.3f}", f"{100 * r['pad']:.2f}%", r["wait"], f"{r['ms']:.1f}",
     ] for r in res]
-    return _table(["dist", "S", "cp", "rows per batch", "look-ahead (batches)", "batches",
+    return markdown_table(["dist", "S", "cp", "rows per batch", "look-ahead (batches)", "batches",
                    "batches with no query moved", "q moved mean", "K/V / AG mean",
                    "imb owner-first mean", "imb owner-first max", "padding mean",
                    "max wait (batches after read)", "ms per batch"], rows)
@@ -234,7 +229,7 @@ def timing_table(dists: list[str], cps: list[int]) -> str:
                     ts.append(time.process_time() - t0)
                 row.append(f"{statistics.median(ts) * 1e3:.1f}")
             rows.append(row)
-    return _table(["dist", "S (rows of 1M tokens)", "docs"] + [f"cp {c} ms" for c in cps], rows)
+    return markdown_table(["dist", "S (rows of 1M tokens)", "docs"] + [f"cp {c} ms" for c in cps], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,8 @@ def _mb(b: float) -> str:
     return "n/a" if math.isnan(b) else f"{b / 1e6:.1f}"
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table (also bench/bench_packing.py's)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -92,7 +93,7 @@ def _traffic_table(res: list[dict]) -> str:
             _mb(r["ag_bytes"]), _mb(r["uly_bytes"]),
             f"{100 * r['ours_kv_bytes'] / r['ag_bytes']:.1f}%",
         ])
-    return _table(
+    return markdown_table(
         ["dist", "T", "docs", "cp", "imb ours", "imb heap", "kv max", "kv mean", "q moved max",
          "heap kv max", "kv LB", "ours K/V MB", "ours MB", "heap MB", "all-gather MB", "Ulysses MB",
          "ours K/V / AG"], rows)
@@ -109,7 +110,7 @@ def _summary_table(res: list[dict], c: int) -> str:
             f"{100 * kvb / r['ag_bytes']:.1f}%", lb, f"{kvb / heap:.2f}" if heap else "-",
             f"{r['imb']:.3f}", f"{r['heap_imb']:.3f}",
         ])
-    return _table(["dist", "T", "ours K/V MB", "min-heap K/V MB", "all-gather MB", "ours / AG",
+    return markdown_table(["dist", "T", "ours K/V MB", "min-heap K/V MB", "all-gather MB", "ours / AG",
                    "lower bound / ours", "ours / min-heap", "imb ours", "imb min-heap"], rows)
 
 
@@ -123,7 +124,7 @@ def _timing_table(res: list[dict], cps: list[int]) -> str:
             s = cell.get((dist, T, c))
             row.append("-" if s is None else f"{s * 1e3:.1f}")
         rows.append(row)
-    return _table(["dist", "T"] + [f"cp {c} (ms)" for c in cps], rows)
+    return markdown_table(["dist", "T"] + [f"cp {c} (ms)" for c in cps], rows)
 
 
 def _loglog_slope(xs, ys) -> float:
@@ -150,8 +151,8 @@ def _slopes(res: list[dict]) -> tuple[list[list], list[list]]:
 
 def _slope_table(by_tokens, by_cp) -> str:
     flag = lambda s: f"{s:.2f}" + (" **>1.2**" if s > 1.2 else "")  # noqa: E731
-    a = _table(["dist", "cp", "slope vs tokens"], [[d, c, flag(s)] for d, c, s in by_tokens])
-    b = _table(["dist", "T", "slope vs cp"], [[d, token_label(T), flag(s)] for d, T, s in by_cp])
+    a = markdown_table(["dist", "cp", "slope vs tokens"], [[d, c, flag(s)] for d, c, s in by_tokens])
+    b = markdown_table(["dist", "T", "slope vs cp"], [[d, token_label(T), flag(s)] for d, T, s in by_cp])
     return a + "\n\n" + b
 
 
@@ -171,7 +172,7 @@ def _step_table(res: list[dict]) -> str:
             sp(r, "ours"), sp(r, "allgather"), sp(r, "allgather_ideal"), sp(r, "ulysses"),
             sp(r, "minheap"),
         ])
-    return _table(
+    return markdown_table(
         ["dist", "T", "cp", "AG head-tail imb", "1 GPU ms", "ours ms", "AG head-tail ms",
          "AG balanced ms", "Ulysses ms", "min-heap ms", "speedup ours", "speedup AG head-tail",
          "speedup AG balanced", "speedup Ulysses", "speedup heap"], rows)
@@ -237,7 +238,7 @@ def _validation_tables(res: list[dict]) -> str:
             f"{r['ag_ms']:.1f}", f"{r['ag_pred_ms']:.1f}", _err(r["ag_pred_ms"], r["ag_ms"]),
         ])
     cp = "CP=" + "/".join(str(c) for c in dict.fromkeys(r["c"] for r in res))  # the runs' "gpus"
-    a = _table(["S", "layout", "measured 1 GPU ms", f"measured {cp} ms", f"predicted {cp} ms",
+    a = markdown_table(["S", "layout", "measured 1 GPU ms", f"measured {cp} ms", f"predicted {cp} ms",
                 "error", "measured all-gather ms", "predicted all-gather ms", "error"], main)
     diag = []
     for r in res:
@@ -249,7 +250,7 @@ def _validation_tables(res: list[dict]) -> str:
             f"{r['refetch_pred_ms']:.2f}", f"{r['refetch_ms']:.2f}",
             f"{r['ag_imb']:.3f}", f"{r['ag_ms'] - r['ag_pred_ms']:+.2f}",
         ])
-    b = _table(["S", "layout", "docs", "plan = run's", "effective TFLOP/s (1 GPU)",
+    b = markdown_table(["S", "layout", "docs", "plan = run's", "effective TFLOP/s (1 GPU)",
                 "imb ours", "ours compute ms", "ours exchange ms", "ours MB fwd+bwd",
                 "ours measured - predicted ms", "refetch predicted ms", "refetch measured ms",
                 "AG head-tail imb", "AG measured - predicted ms"], diag)
@@ -302,7 +303,7 @@ def _main_validate(args, m: Model) -> int:
     print(_validation_tables(res))
     print("\nFit of the non-compute time (measured - compute at the one-GPU rate, ms, in the "
           "order of the table) as fixed + bytes / bandwidth:\n")
-    print(_table(["design", "points", "measured - compute ms", "fixed ms", "GB/s",
+    print(markdown_table(["design", "points", "measured - compute ms", "fixed ms", "GB/s",
                   "max |residual| ms"], fit_exchange(res)))
     if args.out:
         from bench import cp_plots
