@@ -90,7 +90,6 @@ def main():
         ("f+b", "doc_packed_attn + backward", ours_fb),
     ]
     res = [(p, name, per_call_us(f, args.iters)) for p, name, f in rows]
-
     print(f"\ndevice: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 S={S} Hq={Hq} Hkv={Hkv} D={D}")
     print("host-bound microseconds per call (launch loop of", args.iters, "calls, one sync at the end)\n")
     print("| pass | layer | us/call |\n|---|---|---|")
@@ -122,48 +121,42 @@ def breakdown(step, iters: int) -> None:
     from doc_packed import _eager, api, ops
     from doc_packed.kernels import fa4
 
-    spent: dict[str, float] = {}
+    spent: dict[str, float] = {}  # label -> seconds, in the order the layers are listed
     patched = []
 
-    def wrap(owner, name, label):
-        fn = getattr(owner, name)
+    def timed(fn, label):
+        spent[label] = 0.0
 
-        def timed(*a, **kw):
+        def run(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+                spent[label] += time.perf_counter() - t0
 
-        setattr(owner, name, timed)
-        patched.append((owner, name, fn))
+        return run
 
-    wrap(api, "_validated", "api._validated (checks)")
-    wrap(_eager, "attention", "_eager.attention (fwd, whole)")
-    wrap(ops, "forward_impl", "ops.forward_impl")
-    wrap(kernels, "forward", "kernels.forward")
-    wrap(ops, "input_grads", "ops.input_grads (bwd, whole)")
-    wrap(ops, "backward_impl", "ops.backward_impl")
-    wrap(kernels, "backward", "kernels.backward")
+    def wrap(owner, name, value):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    for owner, name, label in (
+        (api, "_validated", "api._validated (checks)"),
+        (_eager, "attention", "_eager.attention (fwd, whole)"),
+        (ops, "forward_impl", "ops.forward_impl"),
+        (kernels, "forward", "kernels.forward"),
+        (ops, "input_grads", "ops.input_grads (bwd, whole)"),
+        (ops, "backward_impl", "ops.backward_impl"),
+        (kernels, "backward", "kernels.backward"),
+    ):
+        wrap(owner, name, timed(getattr(owner, name), label))
     fwd, bwd = fa4._interface()
-    fa4._interface = lambda: (fwd, bwd)
-    fa4_spent = {"fwd": 0.0, "bwd": 0.0}
-
-    def timed_fa4(fn, key):
-        def g(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                fa4_spent[key] += time.perf_counter() - t0
-        return g
-
-    fa4._interface = lambda: (timed_fa4(fwd, "fwd"), timed_fa4(bwd, "bwd"))
+    fa4_fns = (timed(fwd, "FA4 _flash_attn_fwd"), timed(bwd, "FA4 _flash_attn_bwd"))
+    wrap(fa4, "_interface", lambda: fa4_fns)
     for _ in range(20):
         step()
     torch.cuda.synchronize()
-    spent.clear()
-    fa4_spent.update(fwd=0.0, bwd=0.0)
+    spent.update(dict.fromkeys(spent, 0.0))
     t0 = time.perf_counter()
     for _ in range(iters):
         step()
@@ -174,8 +167,6 @@ def breakdown(step, iters: int) -> None:
     print(f"| whole step (doc_packed_attn + torch.autograd.backward) | {total / iters * 1e6:.1f} |")
     for label, sec in spent.items():
         print(f"| {label} | {sec / iters * 1e6:.1f} |")
-    for key, sec in fa4_spent.items():
-        print(f"| FA4 _flash_attn_{key} | {sec / iters * 1e6:.1f} |")
     for owner, name, fn in patched:
         setattr(owner, name, fn)
 
