@@ -421,13 +421,18 @@ def _bench_cp_module() -> ModuleType:
     return mod
 
 
-def bench_cp_lengths(S: int, name: str, bench: ModuleType | None = None) -> list[int]:
-    """Document lengths of the layout bench/bench_cp.py times under ``name`` at length S."""
+def bench_cp_lengths(S: int, name: str, bench: ModuleType | None = None, c: int | None = None) -> list[int]:
+    """Segment lengths of the layout bench/bench_cp.py times under ``name`` at length S on ``c``
+    GPUs (``c`` matters only for the CP-aware order of ``--packing cp``)."""
     if name == "one doc":
         return [S]
+    bench = bench or _bench_cp_module()
     if name == "lognormal 2k":
-        bench = bench or _bench_cp_module()
         return bench.lognormal_lengths(S, 2048, seed=S)  # bench_cp.py's own call
+    if name == "lognormal 2k cp-packed":
+        if c is None:
+            raise ValueError(f"layout {name!r} depends on the CP size: pass c")
+        return dict(bench.layouts(S, c, "cp"))[name]  # bench_cp.py's own packing
     raise ValueError(f"unknown bench_cp layout {name!r}")
 
 
@@ -445,7 +450,7 @@ def validate_point(row: dict, m: Model, bench: ModuleType | None = None) -> dict
     from doc_packed import cu_seqlens_from_lengths, plan_context_parallel
 
     S, name, c = row["S"], row["layout"], row["gpus"]
-    lengths = bench_cp_lengths(S, name, bench)
+    lengths = bench_cp_lengths(S, name, bench, c)
     if len(lengths) != row["docs"]:
         raise AssertionError(f"{name} S={S}: {len(lengths)} documents, the run had {row['docs']}")
     cu = cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8)

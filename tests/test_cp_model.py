@@ -277,6 +277,25 @@ def test_validate_point_flags_a_different_plan_and_document_count():
         cp_model.validate_point(row, Model())
 
 
+def test_validate_point_knows_the_cp_packed_layout():
+    """bench_cp.py --packing cp names its layout "lognormal 2k cp-packed": validate regenerates
+    the same CP-aware order (it depends on the GPU count) and finds the run's plan."""
+    from doc_packed import pack_order
+    from doc_packed.layout import lognormal_lengths
+
+    S, c = 1 << 14, 4
+    got = cp_model.bench_cp_lengths(S, "lognormal 2k cp-packed", c=c)
+    assert got == pack_order(lognormal_lengths(S, 2048, seed=S), S, cp_size=c).lengths[0]
+    assert sum(got) == S
+    with pytest.raises(ValueError, match="pass c"):
+        cp_model.bench_cp_lengths(S, "lognormal 2k cp-packed")
+    plan = build_plan(_layout([got], S), c, True, -1, 0, query_cost=4.0, tolerance=0.01)
+    row = _measured_row(S, plan, 100.0, 60.0, 55.0)
+    row.update(layout="lognormal 2k cp-packed", gpus=c, docs=len(got))
+    out = cp_model.validate_point(row, Model())
+    assert out["same_plan"] and out["docs"] == len(got) and out["c"] == c
+
+
 def test_fit_exchange_recovers_fixed_cost_and_bandwidth():
     def point(layout, gb, ms, ag_gb, ag_ms):
         return {"layout": layout, "ours_bytes": gb * 1e9, "ours_ms": 10 + ms, "ours_compute_ms": 10,
