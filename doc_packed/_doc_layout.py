@@ -109,6 +109,8 @@ def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
 # (values key) -> DocLayout, and (identity key) -> (the tensor, its DocLayout) for non-CPU tensors
 _layouts: OrderedDict[tuple, DocLayout] = OrderedDict()
 _tensors: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
+# the last non-CPU tensor found by identity: [tensor, seq_len, version, layout] (same key, fewer steps)
+_last: list = [None, -1, -1, None]
 
 
 def _lru_put(cache: OrderedDict, key: tuple, value: Any) -> None:
@@ -155,6 +157,9 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
 def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     """The validated :class:`DocLayout` of ``cu_seqlens`` (CPU: keyed on the values; other
     devices: one host read per distinct tensor and version, see the module doc)."""
+    last = _last
+    if cu_seqlens is last[0] and seq_len == last[1] and _compat.tensor_version(cu_seqlens) == last[2]:
+        return last[3]  # every layer of a step passes the same tensor: the identity key, short
     cu = cu_seqlens.detach()
     if cu.device.type == "cpu":
         return _layout_of(cu, seq_len)
@@ -163,10 +168,13 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     if hit is not None:
         assert key is not None
         _tensors.move_to_end(key)
-        return hit[1]
-    layout = _layout_of(cu.to("cpu"), seq_len)  # the one device sync
+        layout = hit[1]
+    else:
+        layout = _layout_of(cu.to("cpu"), seq_len)  # the one device sync
+        if key is not None:
+            _lru_put(_tensors, key, (cu_seqlens, layout))
     if key is not None:
-        _lru_put(_tensors, key, (cu_seqlens, layout))
+        _last[:] = [cu_seqlens, seq_len, key[4], layout]
     return layout
 
 
@@ -174,3 +182,4 @@ def clear_cache() -> None:
     """Forget every cached layout (tests; memory)."""
     _layouts.clear()
     _tensors.clear()
+    _last[:] = [None, -1, -1, None]

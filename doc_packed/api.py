@@ -88,6 +88,38 @@ def is_dtensor(x: object) -> bool:
     return isinstance(x, DTensor)
 
 
+_VALIDATED: dict[tuple, tuple] = {}  # call signature -> _validated's result (see _validated_once)
+_VALIDATED_SIZE = 256
+
+
+def _validated_once(*args):
+    """:func:`_validated`, remembered per call signature: the tensors' type, shape, strides, dtype
+    and device, every other argument with its type, and the innermost :func:`planning` block. Its
+    rules read metadata only, so a model calling attention with the same shapes in every layer
+    pays for them once (~20-40 us of Python per call otherwise; docs/benchmarks.md section 10).
+    Plain tensors only, in eager code, with a ``ProcessGroup`` or no group (a group *name* may
+    be rebound to another group); failures are never remembered."""
+    key: list = [_hints[-1] if _hints else None]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor or a.layout is not torch.strided:
+                return _validated(*args)
+            key.append((a.shape, a.stride(), a.dtype, a.device))
+        else:
+            key.append((type(a), a))  # True == 1 == 1.0, but only one of them passes
+    try:
+        sig = tuple(key)
+        hit = _VALIDATED.get(sig)
+    except TypeError:  # an unhashable argument (a list window_size): validate every time
+        return _validated(*args)
+    if hit is None:
+        hit = _validated(*args)
+        if len(_VALIDATED) >= _VALIDATED_SIZE:
+            _VALIDATED.clear()
+        _VALIDATED[sig] = hit
+    return hit
+
+
 def _validated(q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len):
     """Every per-call rule of :func:`doc_packed_attn` (metadata only; the op checks the values of
     ``cu_seqlens``): ``(left, right, scale, seq_len, group_name, doc_len, cp_dim)`` for the op."""
@@ -183,7 +215,8 @@ def attention(
     """:func:`doc_packed_attn`'s body, shared with :func:`doc_packed.doc_packed_attn_varlen`
     (which passes its packed tensors as one row and its ``max_seqlen``)."""
     try:
-        left, right, scale, seq_len, group_name, doc_len, cp_dim = _validated(
+        check = _validated if isinstance(cp_group, str) or torch.compiler.is_compiling() else _validated_once
+        left, right, scale, seq_len, group_name, doc_len, cp_dim = check(
             q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len
         )
     except (TypeError, ValueError) as err:
@@ -196,7 +229,8 @@ def attention(
         return in_graph_error(q, err, return_lse)
     if max_seqlen is not None and not torch.compiler.is_compiling():
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
-    cu_seqlens = _as_dtensor_like(q, cu_seqlens)
+    if type(q) is not torch.Tensor:
+        cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = _eager.attention(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim
     )

@@ -111,12 +111,13 @@ def forward_impl(
         return cp_attention.forward(
             q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
-    _check_local(q, seq_len)
     B, S, Hq, D = q.shape
+    if S != seq_len:
+        _check_local(q, seq_len)
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
     out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend)
     # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
-    return out.view(B, S, Hq, D).contiguous(), lse.view(Hq, B, S).transpose(0, 1).contiguous()
+    return out.view(B, S, Hq, D).contiguous(), (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
 
 
 def backward_impl(
@@ -129,10 +130,11 @@ def backward_impl(
         return cp_attention.backward(
             dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
-    _check_local(q, seq_len)
     B, S, Hq, D = q.shape
+    if S != seq_len:
+        _check_local(q, seq_len)
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
-    lse_flat = lse.transpose(0, 1).reshape(Hq, B * S)
+    lse_flat = lse.transpose(0, 1).reshape(Hq, B * S) if B > 1 else lse[0]
     dq, dk, dv = kernels.backward(
         spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()), lse_flat, scale, backend
     )

@@ -125,3 +125,29 @@ def test_layout_helpers():
         assert d.tolist() in seen
     with pytest.raises(ValueError, match="more than seq_len"):
         dp.pack_documents([torch.zeros(11)], 10, split_long=False)
+
+
+def test_validation_is_remembered_per_signature_and_only_for_valid_calls(monkeypatch):
+    from doc_packed import api
+
+    q, k, v, cu = ok()
+    seen = []
+    real = api._validated
+    monkeypatch.setattr(api, "_validated", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(api, "_VALIDATED", {})
+    call(q, k, v, cu)
+    call(q.clone(), k.clone(), v.clone(), cu.clone())  # same signature: remembered
+    assert len(seen) == 1
+    # whatever differs is validated again, and a failure is never remembered
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        call(q, k, v, cu, causal=1)  # == True, but not a bool
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        call(q, k, v, cu, causal=1)
+    with pytest.raises(ValueError, match="head dim must be contiguous"):
+        call(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, cu)  # same shape, other strides
+    with pytest.raises(ValueError, match="must be >= 0, or -1"):
+        call(q, k, v, cu, window_size=[-2, 0])  # unhashable: validated every time
+    with dp.planning(doc_len=512):  # the planning block is part of the signature
+        call(q, k, v, cu)
+    assert len(seen) == 6
+    assert len(api._VALIDATED) == 2
