@@ -6,6 +6,11 @@ directly (``doc_packed.cp.attention.forward`` / ``backward``, in this thread, wi
 so cProfile sees both passes). Prints the rank's ms per forward+backward with the host running
 ahead (one sync per loop), the same with a sync per call, and cProfile's top functions.
 Usage: ``python bench/profile_cp_rank.py --seq 131072 --cp 8 --layout "lognormal 2k"``.
+
+``--autograd`` also times the same rank through autograd (fresh leaves, ``attn_fwd`` with its
+autograd or the eager path's ``autograd.Function``, then ``torch.autograd.backward``) beside the
+direct calls, and prints torch.profiler's CPU and CUDA self time per op for both, so that what
+autograd adds (bench_cp_emulate's timing goes through it) shows op by op.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def main():
     ap.add_argument("--packing", default="greedy", choices=["greedy", "cp"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--autograd", action="store_true", help="compare with the same rank through autograd")
     args = ap.parse_args()
     sys.argv = sys.argv[:1]  # bench_cp_emulate parses the command line when imported
     import bench_cp_emulate as emu
@@ -75,8 +81,12 @@ def main():
     print("| rank | ms per fwd+bwd (host runs ahead) |\n|---|---|")
     for r, (ms, _) in runs.items():
         print(f"| {r} | {ms:.2f} |")
-    print(f"\nslowest rank {slow}: {sorted(synced)[len(synced) // 2]:.2f} ms synced per call, "
-          f"host time until the call returns {sorted(host)[len(host) // 2]:.2f} ms")
+    print(
+        f"\nslowest rank {slow}: {sorted(synced)[len(synced) // 2]:.2f} ms synced per call, "
+        f"host time until the call returns {sorted(host)[len(host) // 2]:.2f} ms"
+    )
+    if args.autograd:
+        _compare_autograd(emu, step, q, k, v, dout, cu, S, c, slow, scale, args)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.iters):
@@ -85,6 +95,57 @@ def main():
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
+
+
+def _compare_autograd(emu, direct, q, k, v, dout, cu, S, c, rank, scale, args):
+    from torch.profiler import ProfilerActivity, profile
+
+    from doc_packed import _eager
+
+    lq, lk, lv, ld = (t.chunk(c, dim=1)[rank].contiguous() for t in (q, k, v, dout))
+    op_args = (cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+
+    def through(entry):
+        def run():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (lq, lk, lv))
+            if entry == "eager":
+                out, _ = _eager.attention(qq, kk, vv, *op_args, 0, None)
+            else:
+                out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, *op_args)
+            torch.autograd.backward(out, ld)
+
+        return run
+
+    modes = {"direct": direct, "autograd (op)": through("op"), "autograd (eager)": through("eager")}
+    print(f"\nrank {rank}: ms per forward+backward, median of {args.iters}")
+    print("| mode | synced (wall) | CUDA events | host until return |\n|---|---|---|---|")
+    for name, fn in modes.items():
+        for _ in range(3):
+            fn()
+        wall, ev, host = [], [], []
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a.record()
+            fn()
+            t1 = time.perf_counter()
+            b.record()
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            host.append((t1 - t0) * 1e3)
+            ev.append(a.elapsed_time(b))
+        med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+        print(f"| {name} | {med(wall):.2f} | {med(ev):.2f} | {med(host):.2f} |")
+    for name, fn in modes.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        print(f"\n### {name}: torch.profiler, 5 calls, top ops by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        print(f"\n### {name}: top ops by self CUDA time")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
