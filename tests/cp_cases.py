@@ -48,7 +48,7 @@ def cp_parity(rank, world, cases):
 
         left, right = (window[0], 0 if causal else window[1])
         sch = get_schedule(lq, lk, cu, S, causal, left, right, group.group_name)
-        report.append((err, (sch.kv_traffic, sch.q_traffic)))  # which exchange paths ran
+        report.append((err, (sch.kv_traffic, sch.q_traffic, sch.kv_shared)))  # which exchange paths ran
     return report
 
 

@@ -314,6 +314,28 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
 # ----------------------------------------------------------------------------- backward
 
 
+def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor) -> None:
+    """Add the partial ``[n, 2, H_kv, D]`` dK|dV that peers sent back to this rank's ``dk``/``dv``
+    (rows ``[B * L, H_kv, D]``), by slices of the schedule's runs. Every row's sum is taken in
+    float32 and rounded to the gradient's dtype once: a row that came back once is one in-place
+    add (computed in float32, rounded once); rows sent to several peers are summed in float32
+    slots first. No index kernels and no float32 copy of the whole message."""
+    if not sch.kv_shared:
+        for p, r0, n, _ in sch.kv_back_runs:
+            dk[r0 : r0 + n] += back[p : p + n, 0]
+            dv[r0 : r0 + n] += back[p : p + n, 1]
+        return
+    total = torch.empty((sch.kv_slots, 2, *dk.shape[1:]), dtype=kernels.lse_dtype(dk.dtype), device=dk.device)
+    for r0, s0, n in sch.kv_slot_runs:
+        total[s0 : s0 + n, 0] = dk[r0 : r0 + n]
+        total[s0 : s0 + n, 1] = dv[r0 : r0 + n]
+    for p, _, n, s0 in sch.kv_back_runs:
+        total[s0 : s0 + n] += back[p : p + n]
+    for r0, s0, n in sch.kv_slot_runs:
+        dk[r0 : r0 + n] = total[s0 : s0 + n, 0]
+        dv[r0 : r0 + n] = total[s0 : s0 + n, 1]
+
+
 def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
     sch = get_schedule(
         q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend, pass_="backward"
@@ -364,10 +386,5 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
     if sch.kv_traffic:  # partial dK|dV of received keys go home and are summed in float32
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
         back = comm.all_to_all(partial, sch.kv_recv_splits, sch.kv_send_splits, group_name)
-        acc = kernels.lse_dtype(k.dtype)
-        rows = sch.kv_reduce_rows
-        total = torch.stack([dk_local.index_select(0, rows), dv_local.index_select(0, rows)], 1).to(acc)
-        total.index_add_(0, sch.kv_reduce_slot, back.to(acc))
-        dk_local.index_copy_(0, rows, total[:, 0].to(k.dtype))
-        dv_local.index_copy_(0, rows, total[:, 1].to(v.dtype))
+        _add_partials(sch, dk_local, dv_local, back)
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -74,8 +74,14 @@ class RankSchedule:
     kv_send_index: torch.Tensor
     kv_send_splits: list[int]
     kv_recv_splits: list[int]
-    kv_reduce_rows: torch.Tensor  # distinct local rows whose partial dK/dV come back from peers
-    kv_reduce_slot: torch.Tensor  # for each row that comes back, its slot in kv_reduce_rows
+    # partial dK/dV of the rows sent come back in the send order and are added to the local
+    # gradient by slices, no index ops: kv_back_runs (offset in the message, first local row,
+    # rows, first slot) cover the message; rows sent to several peers (kv_shared) are summed in
+    # float32 slots first (kv_slot_runs: first local row, first slot, rows), so each rounds once
+    kv_back_runs: tuple[tuple[int, int, int, int], ...]
+    kv_shared: bool
+    kv_slots: int
+    kv_slot_runs: tuple[tuple[int, int, int], ...]
     # query exchange (only when the plan moves queries): send q_send_index; the same rows come
     # back (output, lse, dq) in the reverse direction
     q_send_index: torch.Tensor
@@ -182,6 +188,29 @@ def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device, sp
     return out
 
 
+def _reduce_runs(runs: list[tuple[int, int]]):
+    """How the partial dK/dV of the sent runs ``(first row, rows)`` come home (RankSchedule's
+    ``kv_back_runs``, ``kv_shared``, ``kv_slots``, ``kv_slot_runs``): the runs with their message
+    offsets, whether any row was sent twice, and the merged row intervals laid out as slots."""
+    merged: list[list[int]] = []  # disjoint sorted [start, end) of every row sent
+    for r0, n in sorted(runs):
+        if merged and r0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], r0 + n)
+        else:
+            merged.append([r0, r0 + n])
+    slot_runs, slots = [], 0
+    for a, e in merged:
+        slot_runs.append((a, slots, e - a))
+        slots += e - a
+    starts = [a for a, _ in merged]
+    back, pos = [], 0
+    for r0, n in runs:
+        a, s0, _ = slot_runs[bisect_right(starts, r0) - 1]  # the interval holding the run
+        back.append((pos, r0, n, s0 + r0 - a))
+        pos += n
+    return tuple(back), slots < pos, slots, tuple(slot_runs)
+
+
 def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
     c, S = plan.cp_size, plan.seq_len
     cs = chunk_len(S, c)
@@ -197,12 +226,14 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
     kv_send: list[int] = []
     kv_send_splits = [0] * c
+    kv_runs: list[tuple[int, int]] = []  # (first local row, rows) in send order
     for t in range(c):
         if t != rank:
             for b, s0, e0 in plan.kv_ranges[t]:
                 for o, s, e in _parts(b, s0, e0, cs, S):
                     if o == rank:
                         kv_send.extend(range(local(b, s), local(b, e)))
+                        kv_runs.append((local(b, s), e - s))
                         kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
     recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
@@ -279,7 +310,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     def index(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(device)
 
-    reduce_rows, reduce_slot = torch.unique(torch.tensor(kv_send, dtype=torch.int64), return_inverse=True)
+    back_runs, shared, slots, slot_runs = _reduce_runs(kv_runs)
 
     return RankSchedule(
         rank=rank,
@@ -287,8 +318,10 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_send_index=index(kv_send),
         kv_send_splits=kv_send_splits,
         kv_recv_splits=kv_recv_splits,
-        kv_reduce_rows=reduce_rows.to(device),
-        kv_reduce_slot=reduce_slot.to(device),
+        kv_back_runs=back_runs,
+        kv_shared=shared,
+        kv_slots=slots,
+        kv_slot_runs=slot_runs,
         q_send_index=index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
