@@ -166,13 +166,15 @@ def check_qkv(
     B, S, Hq, D = q.shape
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share q's [B, S] = {(B, S)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share [B, S, H_kv] (v's head dim may differ)")
     if k.shape[3] != D:
         raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {D}")
     check_gqa(Hq, k.shape[2])
     if B == 0 or (S == 0 and not shard) or Hq == 0 or D == 0:  # a CP shard may be empty
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    if v.shape[3] == 0:
+        raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -214,8 +216,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
                 "(rows [B, S, H, D] go to doc_packed_attn)"
             )
     T, Hq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share [T, H_kv] (v's head dim may differ)")
     if k.shape[0] != T:
         raise ValueError(f"k and v hold {k.shape[0]} tokens but q holds {T}; one cu_seqlens serves q and k/v")
     if k.shape[2] != D:
@@ -223,6 +225,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
     check_gqa(Hq, k.shape[1])
     if T == 0 or Hq == 0 or D == 0:
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    if v.shape[2] == 0:
+        raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
         raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
@@ -249,3 +253,67 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not 0 < value < math.inf:  # also NaN
         raise ValueError(f"scale must be a positive finite float, got {value}")
     return value
+
+
+def check_variants(
+    q: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    sinks: object,
+    softcap: object,
+    prefix_lens: object,
+    return_max_logits: object,
+) -> float:
+    """The attention variants' metadata rules (docs/contract.md, "Variants"); returns the softcap
+    as the op takes it (0.0: none). ``q`` is ``[B, S, H_q, D]`` and ``cu_seqlens`` ``[B, N + 1]``
+    (the varlen entry passes its one-row views). The values of ``prefix_lens`` (each in
+    ``[0, its document's length]``) are checked where the layout is read, before any kernel."""
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(f"return_max_logits must be a bool, got {type(return_max_logits).__name__}")
+    cap = 0.0
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+        if isinstance(softcap, int) and abs(softcap) > sys.float_info.max:
+            raise ValueError("softcap must be a positive finite float, got an int too large for a float")
+        cap = float(softcap)
+        if not 0 < cap < math.inf:  # also NaN
+            raise ValueError(f"softcap must be a positive finite float (None: no softcapping), got {cap}")
+    if sinks is not None:
+        t = _check_tensor("sinks", sinks)
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"sinks must be a floating tensor (one logit per q head), got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] != q.shape[2]:
+            raise ValueError(f"sinks must be [H_q] = [{q.shape[2]}] (one logit per q head), got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"sinks is on {t.device} but q is on {q.device}; use one device")
+    if prefix_lens is not None:
+        t = _check_tensor("prefix_lens", prefix_lens)
+        if t.dtype not in CU_SEQLENS_DTYPES:
+            raise TypeError(f"prefix_lens must be int32 or int64, got {t.dtype}")
+        want = (cu_seqlens.shape[0], cu_seqlens.shape[1] - 1)
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"prefix_lens must have one entry per document slot of cu_seqlens, shape {want}, got {tuple(t.shape)}"
+            )
+        if t.device != cu_seqlens.device:
+            raise ValueError(f"prefix_lens is on {t.device} but cu_seqlens is on {cu_seqlens.device}; use one device")
+        if not causal:
+            raise ValueError(
+                "prefix_lens needs causal=True: a prefix makes the start of each document bidirectional "
+                "inside an otherwise causal mask (with causal=False every key of the document is visible already)"
+            )
+    return cap
+
+
+def check_varlen_prefix(prefix_lens: object, cu_seqlens: torch.Tensor) -> None:
+    """The varlen entry's ``prefix_lens``: None or a 1-D ``[N]`` tensor (one per document of the
+    1-D ``cu_seqlens``); dtype, device and causality are :func:`check_variants`'s."""
+    if prefix_lens is None:
+        return
+    t = _check_tensor("prefix_lens", prefix_lens)
+    if t.dim() != 1 or t.shape[0] != cu_seqlens.shape[0] - 1:
+        raise ValueError(
+            f"prefix_lens must be 1-D [N] = [{cu_seqlens.shape[0] - 1}] (one per document of cu_seqlens), "
+            f"got shape {tuple(t.shape)}"
+        )

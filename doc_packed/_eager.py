@@ -49,10 +49,10 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if _compat.profiler_enabled():
             with torch.profiler.record_function("doc_packed::attn_bwd"):
-                dq, dk, dv = ops.input_grads(*_grad_args(ctx, dout, dlse))
+                grads = ops.input_grads(*_grad_args(ctx, dout, dlse))
         else:
-            dq, dk, dv = ops.input_grads(*_grad_args(ctx, dout, dlse))
-        return dq, dk, dv, *([None] * (len(ops.FWD_ARGS) - 3))
+            grads = ops.input_grads(*_grad_args(ctx, dout, dlse))
+        return ops.autograd_outputs(grads)
 
 
 def _grad_args(ctx, dout, dlse) -> tuple:
@@ -61,7 +61,8 @@ def _grad_args(ctx, dout, dlse) -> tuple:
 
 def attention(q, k, v, cu_seqlens, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """``doc_packed::attn_fwd(q, k, v, cu_seqlens, *args)`` with autograd: ``(out, lse)``."""
-    if not takes_eager_path(q, k, v, cu_seqlens):
+    # a plain call passes 9 arguments after cu_seqlens; variants add (softcap, sinks, prefix_lens)
+    if not takes_eager_path(q, k, v, cu_seqlens, *(a for a in args[10:] if a is not None)):
         return torch.ops.doc_packed.attn_fwd(q, k, v, cu_seqlens, *args)
     if _compat.profiler_enabled():  # traces name the call as they name the op
         with torch.profiler.record_function("doc_packed::attn_fwd"):
@@ -70,6 +71,9 @@ def attention(q, k, v, cu_seqlens, *args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(q, k, v, cu_seqlens, args):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    sinks = args[10] if len(args) > 10 else None
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    ):
         return _Attention.apply(q, k, v, cu_seqlens, *args)
     return ops.forward_impl(q, k, v, cu_seqlens, *args)

@@ -15,7 +15,7 @@ flop formulas) uses these functions, so they all agree on what "one (query, key)
 
 from __future__ import annotations
 
-__all__ = ["key_bounds", "prefix_pairs", "doc_pairs"]
+__all__ = ["key_bounds", "prefix_pairs", "doc_pairs", "doc_pairs_bidirectional"]
 
 
 def _ramp(n: int, a: int) -> int:
@@ -53,3 +53,12 @@ def prefix_pairs(n: int, length: int, causal: bool, left: int, right: int) -> in
 def doc_pairs(length: int, causal: bool, left: int, right: int) -> int:
     """Number of (query, key) pairs inside one document."""
     return prefix_pairs(length, length, causal, left, right)
+
+
+def doc_pairs_bidirectional(length: int, prefix: int, left: int) -> int:
+    """Pairs inside one causal document whose first ``prefix`` tokens see each other both ways
+    (the causal, left-windowed mask OR the ``prefix x prefix`` block; docs/contract.md)."""
+    p = min(max(prefix, 0), length)
+    if p == 0:
+        return doc_pairs(length, True, left, 0)
+    return p * p + doc_pairs(length, True, left, 0) - prefix_pairs(p, length, True, left, 0)

@@ -10,7 +10,16 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, _eager, kernels
-from ._checks import INT32_MAX, argument_error, check_length, check_qkv, check_scale, check_window, describe
+from ._checks import (
+    INT32_MAX,
+    argument_error,
+    check_length,
+    check_qkv,
+    check_scale,
+    check_variants,
+    check_window,
+    describe,
+)
 from ._doc_layout import get_layout
 
 __all__ = ["doc_packed_attn", "planning"]
@@ -162,7 +171,11 @@ def doc_packed_attn(
     cp_group: dist.ProcessGroup | str | None = None,
     seq_len: int | None = None,
     planning_doc_len: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Attention that stays inside each packed document.
 
     Args:
@@ -188,13 +201,70 @@ def doc_packed_attn(
         planning_doc_len: mean document length that cost estimates on fake tensors assume
             (AutoParallel's solver, compile-time flop counts); real runs count exactly. Default:
             the innermost :func:`planning` block's, else one document per row.
+        sinks: ``[H_q]`` float learnable sink logits (gpt-oss): one extra logit per head in each
+            query's softmax denominator, with no value. Differentiable; the returned lse
+            includes it (FA4's convention).
+        softcap: logit softcapping (Gemma 2): each scaled logit ``s`` becomes
+            ``softcap * tanh(s / softcap)``; a positive float, None for none.
+        prefix_lens: ``[B, MAX_DOCS]`` int32/int64, per document slot of ``cu_seqlens``, the
+            length of the document's bidirectional prefix (image or prompt tokens): inside it
+            every query sees every prefix key; the rest stays causal. Needs ``causal=True``;
+            a left window limits only queries after the prefix.
+        return_max_logits: also return the ``[H_q]`` max logits (float32; float64 for float64
+            inputs), the largest visible scaled post-softcap logit per head over every query
+            (MagiAttention's, for clipping q/k weights). No gradient; costs one extra
+            ``Q K^T`` pass.
+
+    ``v`` may have its own head dim ``D_v`` (e.g. 192 / 128): ``out`` is then ``[B, S, H_q, D_v]``.
 
     Returns:
-        ``out`` ``[B, S, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
+        ``out`` ``[B, S, H_q, D_v]`` in q's dtype, then ``lse`` if ``return_lse``, then the max
+        logits if ``return_max_logits``.
     """
     return attention(
-        q, k, v, cu_seqlens, causal, window_size, scale, return_lse, backend, cp_group, seq_len, planning_doc_len
+        q,
+        k,
+        v,
+        cu_seqlens,
+        causal,
+        window_size,
+        scale,
+        return_lse,
+        backend,
+        cp_group,
+        seq_len,
+        planning_doc_len,
+        sinks=sinks,
+        softcap=softcap,
+        prefix_lens=prefix_lens,
+        return_max_logits=return_max_logits,
     )
+
+
+def _variant_args(q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap, prefix_lens, return_max_logits):
+    """The variants' checks (metadata only): the op's trailing ``(softcap, sinks, prefix_lens)``,
+    empty for a plain call so it runs exactly as before."""
+    cap = check_variants(q, cu_seqlens, causal, sinks, softcap, prefix_lens, return_max_logits)
+    if backend not in kernels.AUTO_MODES and not torch.compiler.is_compiling():
+        kernels.check_backend(backend, q, k.shape[2], kernels.Variant.of(q, v, cap))
+    if cap == 0.0 and sinks is None and prefix_lens is None:
+        return ()
+    return (cap, sinks, prefix_lens)
+
+
+def _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits) -> None:
+    """The variants context parallelism cannot run yet (every rank raises alike, before any
+    exchange: they depend on arguments every rank passes the same)."""
+    if cp_group is None:
+        return
+    for name, unsupported in (
+        ("softcap", softcap is not None),
+        ("prefix_lens", prefix_lens is not None),
+        ("return_max_logits", return_max_logits),
+        ("a value head dim unlike q's", v.shape[-1] != q.shape[-1]),
+    ):
+        if unsupported:
+            raise NotImplementedError(f"{name} under context parallelism (cp_group) is not supported yet; sinks are")
 
 
 def attention(
@@ -211,6 +281,11 @@ def attention(
     seq_len,
     planning_doc_len,
     max_seqlen=None,
+    *,
+    sinks=None,
+    softcap=None,
+    prefix_lens=None,
+    return_max_logits=False,
 ):
     """:func:`doc_packed_attn`'s body, shared with :func:`doc_packed.doc_packed_attn_varlen`
     (which passes its packed tensors as one row and its ``max_seqlen``)."""
@@ -219,6 +294,9 @@ def attention(
         left, right, scale, seq_len, group_name, doc_len, cp_dim = check(
             q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len
         )
+        variant = _variant_args(
+            q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap, prefix_lens, return_max_logits
+        )
     except (TypeError, ValueError) as err:
         if not torch.compiler.is_compiling() or is_dtensor(q):
             if cp_group is not None and not torch.compiler.is_compiling():
@@ -226,18 +304,27 @@ def attention(
 
                 reject(cp_group, err)  # the group's other ranks raise too, instead of waiting
             raise
-        return in_graph_error(q, err, return_lse)
+        return in_graph_error(q, err, return_lse, return_max_logits)
+    _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits)
     if max_seqlen is not None and not torch.compiler.is_compiling():
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)
     out, lse = _eager.attention(
-        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim
+        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim, *variant
     )
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    if return_max_logits:
+        cap = variant[0] if variant else 0.0
+        pl = variant[2] if variant else None
+        m = torch.ops.doc_packed.attn_max_logits(
+            q.detach(), k.detach(), cu_seqlens, seq_len, causal, left, right, scale, group_name, cap, pl
+        )
+        result = (*result, m)
+    return result if len(result) > 1 else out
 
 
-def in_graph_error(q: object, err: Exception, return_lse: bool):
+def in_graph_error(q: object, err: Exception, return_lse: bool, return_max_logits: bool = False):
     """Under torch.compile(fullgraph=True) a raise would become a dynamo ``Unsupported``: put the
     error into the graph instead, so the compiled call raises it, before any kernel."""
     out, lse = argument_error(
@@ -245,7 +332,10 @@ def in_graph_error(q: object, err: Exception, return_lse: bool):
         "TypeError" if isinstance(err, TypeError) else "ValueError",
         err.args[0],
     )
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    if return_max_logits is True:
+        result = (*result, lse.new_empty(lse.shape[1:2]))
+    return result if len(result) > 1 else out
 
 
 def check_max_seqlen(cu_seqlens: torch.Tensor, seq_len: int, max_seqlen: int) -> None:

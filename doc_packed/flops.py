@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ._doc_layout import cp_degree, get_layout
-from ._mask import doc_pairs
+from ._mask import doc_pairs, doc_pairs_bidirectional
 
 # (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len, cp_dim) -> flops
 PlanningCost = Callable[..., int]
@@ -66,6 +66,22 @@ def total_pairs(cu_seqlens: torch.Tensor, seq_len: int, causal: bool, left: int,
     return cu_seqlens.shape[0] * assumed_row_pairs(seq_len, causal, left, right, doc_len)
 
 
+def _prefix_pairs(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, seq_len: int, left: int) -> int:
+    """Exact pairs of a causal call with bidirectional prefixes (:mod:`doc_packed._mask`)."""
+    from ._variants import prefixes
+
+    layout = get_layout(cu_seqlens, seq_len)
+    table = prefixes(cu_seqlens, prefix_lens)
+    return layout.derived(
+        ("prefix_pairs", left, table),
+        lambda: sum(
+            doc_pairs_bidirectional(e - s, p, left)
+            for row, prow in zip(layout.rows, table)
+            for (s, e), p in zip(row, prow)
+        ),
+    )
+
+
 def attention_flops(
     q: torch.Tensor,
     kv_heads: int,
@@ -78,16 +94,26 @@ def attention_flops(
     backward: bool,
     doc_len: int = 0,
     cp_dim: str | None = None,
+    v_dim: int | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> int:
-    """FLOPs of one call (this rank's share when sequence-sharded)."""
+    """FLOPs of one call (this rank's share when sequence-sharded). ``v_dim``: v's head dim when
+    it differs from q's (forward ``2 * pairs * H_q * (D + D_v)``, backward ``2 * pairs * H_q *
+    (3 D + 2 D_v)``); ``prefix_lens``: bidirectional prefixes (their pairs counted exactly with
+    real values; on fake tensors the causal count, a lower bound). Softcap and sinks add no
+    matmul work (flash-attention's convention counts matmuls only)."""
     B, S_local, Hq, D = q.shape
     if S_local == 0:
         return 0  # an empty context-parallel shard (torch.chunk gave this rank nothing)
     right = 0 if causal else right
-    pairs = total_pairs(cu_seqlens, seq_len, causal, left, right, doc_len)
-    flops = 4 * pairs * Hq * D
+    if prefix_lens is not None and _has_values(cu_seqlens) and _has_values(prefix_lens):
+        pairs = _prefix_pairs(cu_seqlens, prefix_lens, seq_len, left)
+    else:
+        pairs = total_pairs(cu_seqlens, seq_len, causal, left, right, doc_len)
+    dv = D if v_dim is None else v_dim
+    flops = 2 * pairs * Hq * (D + dv)
     if backward:
-        flops = flops * 5 // 2
+        flops = 2 * pairs * Hq * (3 * D + 2 * dv)
     cp = cp_degree(S_local, seq_len)
     if cp > 1:
         flops = -(-flops // cp)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from . import flops, kernels
+from . import _variants, flops, kernels
 from ._doc_layout import DocLayout, cp_degree, get_layout
 from .kernels import lse_dtype
 
@@ -37,6 +37,8 @@ __all__ = [
     "arg_index",
     "attn_bwd",
     "attn_fwd",
+    "attn_max_logits",
+    "autograd_outputs",
     "backward_impl",
     "cp_degree",
     "forward_impl",
@@ -56,6 +58,10 @@ _SHARED: tuple[tuple[str, str, str | None], ...] = (
     ("cp_group", "str?", None),
     ("planning_doc_len", "int", "0"),
     ("planning_cp_dim", "str?", "None"),
+    # attention variants (docs/contract.md, "Variants"): 0.0 / None is the plain op
+    ("softcap", "float", "0.0"),
+    ("sinks", "Tensor?", "None"),
+    ("prefix_lens", "Tensor?", "None"),
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
 BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
@@ -72,18 +78,51 @@ def arg_index(op: object, name: str) -> int:
     return (FWD_ARGS if fwd else BWD_ARGS).index(name)
 
 
-def local_spec(layout: DocLayout, causal: bool, left: int, right: int) -> kernels.VarlenSpec:
-    """One segment per non-empty document, rows flattened ``[B, S] -> [B * S]``."""
+def local_spec(
+    layout: DocLayout, causal: bool, left: int, right: int, prefixes: tuple[tuple[int, ...], ...] | None = None
+) -> kernels.VarlenSpec:
+    """One segment per non-empty document, rows flattened ``[B, S] -> [B * S]``; ``prefixes``:
+    per row, each non-empty document's bidirectional prefix (:func:`doc_packed._variants.prefixes`)."""
     S = layout.seq_len
     cu = [0]
     for b, row in enumerate(layout.rows):
         cu.extend(b * S + e for _, e in row)
-    return kernels.VarlenSpec(cu, cu, causal, left, right, row_len=S)
+    flat = None if prefixes is None else [p for row in prefixes for p in row]
+    return kernels.VarlenSpec(cu, cu, causal, left, right, row_len=S, prefix=flat)
 
 
-def _local_problem(cu_seqlens, seq_len, causal, left, right) -> kernels.VarlenSpec:
+def _local_problem(cu_seqlens, seq_len, causal, left, right, prefix_lens=None) -> kernels.VarlenSpec:
     layout = get_layout(cu_seqlens, seq_len)
-    return layout.derived(("local_spec", causal, left, right), lambda: local_spec(layout, causal, left, right))
+    prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
+    return layout.derived(
+        ("local_spec", causal, left, right, prefixes), lambda: local_spec(layout, causal, left, right, prefixes)
+    )
+
+
+def _reject_cp_variants(q, v, softcap, prefix_lens) -> None:
+    """The variants context parallelism cannot run yet raise, naming the variant (sinks run: their
+    term joins each query's merged row once, after the exchange)."""
+    if softcap:
+        raise NotImplementedError("softcap under context parallelism (cp_group) is not supported yet")
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(
+            f"a value head dim ({v.shape[-1]}) unlike q's ({q.shape[-1]}) under context parallelism "
+            "(cp_group) is not supported yet"
+        )
+    if prefix_lens is not None:
+        raise NotImplementedError(
+            "prefix_lens under context parallelism (cp_group) is not supported yet: a bidirectional "
+            "prefix needs keys after the query, which the context-parallel plan does not exchange"
+        )
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink term joins a finished row (once per query): ``lse' = logaddexp(lse, sink)`` and
+    ``out' = out * exp(lse - lse')`` (``out [B, S, H, Dv]``, ``lse [B, H, S]``)."""
+    acc = lse.dtype
+    new = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+    w = torch.exp(lse - new).transpose(1, 2)[..., None]
+    return (out.to(acc) * w).to(out.dtype), new
 
 
 def _check_local(q: torch.Tensor, seq_len: int) -> None:
@@ -101,66 +140,111 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward_impl(
-    q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
+    q,
+    k,
+    v,
+    cu_seqlens,
+    seq_len,
+    causal,
+    window_left,
+    window_right,
+    scale,
+    backend,
+    cp_group,
+    planning_doc_len=0,
+    planning_cp_dim=None,
+    softcap=0.0,
+    sinks=None,
+    prefix_lens=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``attn_fwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
-    # planning: planning_doc_len, planning_cp_dim (for cost estimates only; see the schema)
+    # planning_doc_len, planning_cp_dim: for cost estimates only (see the schema)
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        return cp_attention.forward(
+        _reject_cp_variants(q, v, softcap, prefix_lens)
+        out, lse = cp_attention.forward(
             q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
-    B, S, Hq, D = q.shape
-    if S != seq_len:
-        _check_local(q, seq_len)
-    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
-    out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend)
-    # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
-    return out.view(B, S, Hq, D).contiguous(), (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
+    else:
+        B, S, Hq, D = q.shape
+        if S != seq_len:
+            _check_local(q, seq_len)
+        spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
+        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap)
+        # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
+        out = out.view(B, S, Hq, v.shape[-1]).contiguous()
+        lse = (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out, lse
 
 
 def backward_impl(
-    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens,
+    seq_len,
+    causal,
+    window_left,
+    window_right,
+    scale,
+    backend,
+    cp_group,
+    planning_doc_len=0,
+    planning_cp_dim=None,
+    softcap=0.0,
+    sinks=None,
+    prefix_lens=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What ``attn_bwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
+    """What ``attn_bwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`).
+    ``lse`` includes the sink terms, so the kernels need nothing else for sinks; their gradient
+    is :func:`input_grads`'s."""
     if cp_group is not None:
         from .cp import attention as cp_attention
 
+        _reject_cp_variants(q, v, softcap, prefix_lens)
         return cp_attention.backward(
             dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
     B, S, Hq, D = q.shape
     if S != seq_len:
         _check_local(q, seq_len)
-    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right)
+    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
     lse_flat = lse.transpose(0, 1).reshape(Hq, B * S) if B > 1 else lse[0]
     dq, dk, dv = kernels.backward(
-        spec, _flat(dout.contiguous()), _flat(q), _flat(k), _flat(v), _flat(out.contiguous()), lse_flat, scale, backend
+        spec,
+        _flat(dout.contiguous()),
+        _flat(q),
+        _flat(k),
+        _flat(v),
+        _flat(out.contiguous()),
+        lse_flat,
+        scale,
+        backend,
+        softcap,
     )
     return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
 
 
 @torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2))
-def attn_fwd(
-    q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group)
+def attn_fwd(q, k, v, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_impl(q, k, v, *args)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, *args):
     B, S, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
+    return q.new_empty((B, S, Hq, v.shape[3])), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3))
-def attn_bwd(
-    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, *planning
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_impl(
-        dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
-    )
+def attn_bwd(dout, q, k, v, out, lse, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_impl(dout, q, k, v, out, lse, *args)
 
 
 @attn_bwd.register_fake
@@ -179,10 +263,11 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` from the saved ``(q, k, v, cu_seqlens, out, lse)``, the op's other
-    arguments and the gradients of ``out`` and ``lse`` (either may be None), with ``fwd``/``bwd``
-    the forward and backward to call: the custom ops, or their implementations on the eager path."""
+def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple:
+    """``(dq, dk, dv, dsinks)`` from the saved ``(q, k, v, cu_seqlens, out, lse)``, the op's
+    other arguments and the gradients of ``out`` and ``lse`` (either may be None), with
+    ``fwd``/``bwd`` the forward and backward to call: the custom ops, or their implementations
+    on the eager path. ``dsinks`` is None without sinks."""
     q, k, v, cu_seqlens, out, lse = saved
     if dout is None:
         dout = torch.zeros_like(out)
@@ -192,25 +277,89 @@ def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple[torch.Tensor,
         #   dq_i += scale * dlse_i * sum_j p_ij k_j     (attention with values := keys)
         #   dk_j += scale * sum_i p_ij dlse_i q_i        (the dV slot of a backward whose
         #                                                 output gradient is scale*dlse*q)
+        if _arg(args, "softcap", 0.0):
+            # through a cap dS_ij = p_ij dlse_i (1 - tanh_ij^2) has a per-pair slope, which the
+            # two passes below cannot express
+            raise NotImplementedError(
+                "a gradient through lse (return_lse=True and lse used in the loss) with softcap is not "
+                "supported yet; the gradient through out is"
+            )
         scale = args[FWD_ARGS.index("scale") - 4]
         w = dlse.to(lse_dtype(q.dtype)).transpose(1, 2)
         w = w[..., None]  # [B, S, Hq, 1]
         pk, _ = fwd(q, k, k, cu_seqlens, *args)
         dq = dq + (scale * w * pk.to(w.dtype)).to(dq.dtype)
         g = (scale * w * q.to(w.dtype)).to(q.dtype)
-        _, _, dk_extra = bwd(g, q, k, k, out, lse, cu_seqlens, *args)
+        # only the dV slot is used: any out of g's shape serves (v's head dim may differ)
+        out_g = out if out.shape == g.shape else torch.zeros_like(g)
+        _, _, dk_extra = bwd(g, q, k, k, out_g, lse, cu_seqlens, *args)
         dk = dk + dk_extra
-    return dq, dk, dv
+    dsinks = None
+    sinks = _arg(args, "sinks", None)
+    if sinks is not None:
+        # d out_i / d sink = -p_sink_i out_i and d lse_i / d sink = p_sink_i, p_sink_i = exp(sink - lse_i)
+        acc = lse.dtype
+        p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, Hq, S]
+        g = -(dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            g = g + dlse.to(acc)
+        dsinks = (p_sink * g).sum((0, 2)).to(sinks.dtype)
+    return dq, dk, dv, dsinks
+
+
+def _arg(args: tuple, name: str, default):
+    """Argument ``name`` of the op's arguments after ``cu_seqlens`` (trailing defaults may be
+    left out: a plain call passes no variant arguments)."""
+    i = FWD_ARGS.index(name) - 4
+    return args[i] if len(args) > i else default
+
+
+def autograd_outputs(grads: tuple) -> tuple:
+    """The gradients of every ``attn_fwd`` argument from :func:`input_grads`'s four."""
+    dq, dk, dv, dsinks = grads
+    out: list = [dq, dk, dv] + [None] * (len(FWD_ARGS) - 3)
+    out[FWD_ARGS.index("sinks")] = dsinks
+    return tuple(out)
 
 
 def _backward(ctx, dout, dlse):
-    dq, dk, dv = input_grads(
+    grads = input_grads(
         ctx.saved_tensors, ctx.args, dout, dlse, torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_bwd
     )
-    return dq, dk, dv, *([None] * (len(FWD_ARGS) - 3))
+    return autograd_outputs(grads)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- max logits
+
+
+@torch.library.custom_op(
+    "doc_packed::attn_max_logits",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor cu_seqlens, int seq_len, bool causal, int window_left, int window_right, "
+        "float scale, str? cp_group, float softcap=0.0, Tensor? prefix_lens=None) -> Tensor"
+    ),
+)
+def attn_max_logits(
+    q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap=0.0, prefix_lens=None
+) -> torch.Tensor:
+    """``[H_q]`` max logits (no gradient): the largest visible scaled, softcapped logit per head."""
+    if cp_group is not None:
+        raise NotImplementedError(
+            "return_max_logits under context parallelism (cp_group) is not supported yet "
+            "(it needs the exchanged keys; reduce-by-max across ranks is not wired)"
+        )
+    _check_local(q, seq_len)
+    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
+    return kernels.max_logits(spec, _flat(q), _flat(k), scale, softcap)
+
+
+@attn_max_logits.register_fake
+def _(q, k, *args, **kwargs):
+    return q.new_empty((q.shape[2],), dtype=lse_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------- flop formulas
@@ -230,6 +379,8 @@ def _flop_count(names: tuple[str, ...], args: tuple, kwargs: dict, backward: boo
         backward=backward,
         doc_len=a.get("planning_doc_len", 0),
         cp_dim=a.get("planning_cp_dim"),
+        v_dim=a["v"].shape[-1] if a["v"].shape[-1] != a["q"].shape[-1] else None,
+        prefix_lens=a.get("prefix_lens"),
     )
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import api
-from ._checks import check_varlen
+from ._checks import check_varlen, check_varlen_prefix
 
 __all__ = ["doc_packed_attn_varlen"]
 
@@ -32,7 +32,11 @@ def doc_packed_attn_varlen(
     cp_group: dist.ProcessGroup | str | None = None,
     seq_len: int | None = None,
     planning_doc_len: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Document-packed attention on packed tokens, as ``flash_attn_varlen_func`` takes them.
 
     Args:
@@ -50,19 +54,24 @@ def doc_packed_attn_varlen(
             layout; float32, float64 for float64 inputs).
         cp_group, seq_len: context parallelism as :func:`doc_packed_attn`: ``q/k/v`` are this
             rank's ``torch.chunk`` of the ``T`` tokens, ``cu_seqlens`` the whole sequence's.
+        sinks, softcap, return_max_logits: as :func:`doc_packed_attn` (``sinks [H_q]``).
+        prefix_lens: ``[N]`` int32/int64, each document's bidirectional prefix length (as
+            :func:`doc_packed_attn`'s, one row). ``v`` may have its own head dim.
 
     Under DTensor, ``Shard(0)`` of ``T`` is the sequence placement (context parallel),
     ``Shard(1)`` the heads, ``Replicate`` both; ``cu_seqlens`` is replicated.
 
     Returns:
-        ``out [T, H_q, D]`` in q's dtype, and ``lse`` if ``return_lse``.
+        ``out [T, H_q, D_v]`` in q's dtype, then ``lse`` if ``return_lse``, then the ``[H_q]``
+        max logits if ``return_max_logits``.
     """
     try:
         check_varlen(q, k, v, cu_seqlens, max_seqlen)
+        check_varlen_prefix(prefix_lens, cu_seqlens)
     except (TypeError, ValueError) as err:
         if not torch.compiler.is_compiling() or api.is_dtensor(q):
             raise
-        return api.in_graph_error(q, err, return_lse)
+        return api.in_graph_error(q, err, return_lse, return_max_logits)
     result = api.attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -77,6 +86,13 @@ def doc_packed_attn_varlen(
         seq_len,
         planning_doc_len,
         max_seqlen,
+        sinks=sinks,
+        softcap=softcap,
+        prefix_lens=None if prefix_lens is None else prefix_lens.unsqueeze(0),
+        return_max_logits=return_max_logits,
     )
     out, lse = result[0].squeeze(0), result[1].squeeze(0)
-    return (out, lse) if return_lse else out
+    rest = (lse,) if return_lse else ()
+    if return_max_logits:
+        rest = (*rest, result[2])
+    return (out, *rest) if rest else out

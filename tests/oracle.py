@@ -2,6 +2,16 @@
 
 Written from the definition in the README, sharing no code with the package: the mask is
 built token by token from the document boundaries.
+
+Variants (docs/contract.md, "Variants"), from their definitions:
+
+- ``prefix_lens [B, N]``: query ``p`` also sees key ``p2`` of its document when both lie in the
+  document's first ``prefix_lens[b, d]`` tokens (the mask is the causal/window mask OR that block).
+- ``softcap``: every scaled logit ``s`` becomes ``softcap * tanh(s / softcap)`` before masking.
+- ``sinks [Hq]``: one extra logit per head in each row's softmax denominator, with no value; the
+  returned lse includes it (FA4's convention), a row that sees no key has ``lse = sink``, out 0.
+- max logits ``[Hq]``: the largest visible (post-softcap) logit over every query of every row;
+  sinks are not logits of a key and do not count; ``-inf`` for a head no query of which sees a key.
 """
 
 from __future__ import annotations
@@ -9,16 +19,22 @@ from __future__ import annotations
 import torch
 
 
-def dense_mask(bounds: list[int], seq_len: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+def dense_mask(
+    bounds: list[int], seq_len: int, causal: bool, window: tuple[int, int], prefix: list[int] | None = None
+) -> torch.Tensor:
     """[S, S] bool: mask[p, p2] is True when query p may see key p2."""
     doc = torch.empty(seq_len, dtype=torch.long)
     pos = torch.empty(seq_len, dtype=torch.long)
+    plen = torch.zeros(seq_len, dtype=torch.long)
     for d in range(len(bounds) - 1):
         a, e = bounds[d], bounds[d + 1]
         doc[a:e] = d
         pos[a:e] = torch.arange(e - a)
+        if prefix is not None:
+            plen[a:e] = prefix[d]
     i, j = pos[:, None], pos[None, :]
-    m = doc[:, None] == doc[None, :]
+    same = doc[:, None] == doc[None, :]
+    m = same.clone()
     left, right = window
     if left >= 0:
         m &= j >= i - left
@@ -26,24 +42,51 @@ def dense_mask(bounds: list[int], seq_len: int, causal: bool, window: tuple[int,
         m &= j <= i
     elif right >= 0:
         m &= j <= i + right
+    if prefix is not None:
+        m |= same & (i < plen[:, None]) & (j < plen[:, None])
     return m
 
 
-def reference(q, k, v, cu_seqlens, causal=True, window=(-1, -1), scale=None):
-    """(out [B, S, Hq, D] float64, lse [B, Hq, S] float64), differentiable in q, k, v."""
+def reference(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    causal=True,
+    window=(-1, -1),
+    scale=None,
+    *,
+    sinks=None,
+    softcap=None,
+    prefix_lens=None,
+    max_logits=False,
+):
+    """(out [B, S, Hq, Dv] float64, lse [B, Hq, S] float64), differentiable in q, k, v and sinks;
+    with ``max_logits=True`` also the ``[Hq]`` max logits (no gradient)."""
     B, S, Hq, D = q.shape
     G = Hq // k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     q, k, v = q.double(), k.double(), v.double()
-    outs, lses = [], []
+    outs, lses, maxes = [], [], []
     for b in range(B):
-        mask = dense_mask([int(x) for x in cu_seqlens[b].tolist()], S, causal, window)
+        prefix = None if prefix_lens is None else [int(x) for x in prefix_lens[b].tolist()]
+        mask = dense_mask([int(x) for x in cu_seqlens[b].tolist()], S, causal, window, prefix)
         kb = k[b].repeat_interleave(G, dim=1)  # [S, Hq, D]
         vb = v[b].repeat_interleave(G, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[b], kb) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # [Hq, S]
+        maxes.append(s.detach().amax(dim=(1, 2)))
+        if sinks is None:
+            lse = torch.logsumexp(s, dim=-1)  # [Hq, S]
+        else:
+            sink = sinks.double()[:, None, None].expand(Hq, S, 1)
+            lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
         p = torch.exp(s - lse[..., None])
         outs.append(torch.einsum("hqk,khd->qhd", p, vb))
         lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
+    result = (torch.stack(outs), torch.stack(lses))
+    if max_logits:
+        return (*result, torch.stack(maxes).amax(0))
+    return result

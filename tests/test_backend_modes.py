@@ -13,7 +13,7 @@ from oracle import reference
 
 def _table(unavailable: set[str]) -> tuple[Backend, ...]:
     return tuple(
-        b._replace(why_not=(lambda q, spec, kv, n=b.name: "stand-in: absent" if n in unavailable else None))
+        b._replace(why_not=(lambda q, spec, kv, var, n=b.name: "stand-in: absent" if n in unavailable else None))
         for b in kernels.TABLE
     )
 

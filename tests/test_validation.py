@@ -30,7 +30,7 @@ def test_valid_baseline():
         (lambda q, k, v, cu: (q.tolist(), k, v, cu), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v, cu: (q[0], k, v, cu), ValueError, "q must be 4-D"),
         (lambda q, k, v, cu: (q, k[:, :-1], v[:, :-1], cu), ValueError, "share q's"),
-        (lambda q, k, v, cu: (q, k, v[..., :4], cu), ValueError, "same shape"),
+        (lambda q, k, v, cu: (q, k, v[:, :, :1], cu), ValueError, "must share"),
         (lambda q, k, v, cu: (q, k[..., :4], v[..., :4], cu), ValueError, "head dim"),
         (lambda q, k, v, cu: (q[:, :, :3], k, v, cu), ValueError, "multiple of k/v heads"),
         (lambda q, k, v, cu: (q.int(), k, v, cu), TypeError, "q has dtype"),

@@ -98,7 +98,7 @@ VARLEN_ERRORS = [
         r"q must be 3-D packed \[T, H, D\], got shape \(1, 20, 4, 8\)",
     ),
     (lambda q, k, v, cu, m: (q, k[:-1], v[:-1], cu, m), ValueError, "k and v hold 19 tokens but q holds 20"),
-    (lambda q, k, v, cu, m: (q, k, v[..., :4], cu, m), ValueError, "must have the same shape"),
+    (lambda q, k, v, cu, m: (q, k, v[:, :1], cu, m), ValueError, "must share"),
     (lambda q, k, v, cu, m: (q, k[..., :4], v[..., :4], cu, m), ValueError, "k's head dim 4 must equal q's head dim 8"),
     (lambda q, k, v, cu, m: (q[:, :3], k, v, cu, m), ValueError, "q has 3 heads and k/v have 2"),
     (lambda q, k, v, cu, m: (q[:0], k[:0], v[:0], cu, m), ValueError, "empty dimension"),

@@ -12,7 +12,11 @@ Backends, in the order ``auto`` tries them (:data:`TABLE`):
 - ``"math"``: exact blockwise plain-torch kernel (any device and dtype; the CPU path).
 
 ``auto`` runs the first that takes the problem (see :func:`choose`); a forced backend that
-cannot raises ``ValueError`` naming the rule. Every backend produces and consumes the same
+cannot raises ``ValueError`` naming the rule. Variants (:class:`Variant` and the spec's
+``prefix``) are part of "takes the problem": softcap runs on fa4, flex and math; a value head dim
+unlike q's on fa4 (its head-dim pairs), flex (both powers of two) and math; bidirectional prefixes
+(per-query key intervals) on flex and math only. Sinks are applied around every backend (their
+term joins the lse after the kernel: :func:`doc_packed.ops.forward_impl`). Every backend produces and consumes the same
 ``(out, lse)``, so passes may differ.
 
 Two stricter automatic modes keep ``auto``'s order but skip backends without a property
@@ -33,19 +37,21 @@ from typing import NamedTuple
 import torch
 
 from . import fa4, flash, flex, math
-from .spec import VarlenSpec, lse_dtype
+from .spec import Variant, VarlenSpec, lse_dtype
 
 __all__ = [
     "AUTO_MODES",
     "BACKENDS",
     "TABLE",
     "Backend",
+    "Variant",
     "VarlenSpec",
     "backward",
     "check_backend",
     "choose",
     "forward",
     "lse_dtype",
+    "max_logits",
     "reasons",
 ]
 
@@ -55,8 +61,9 @@ class Backend(NamedTuple):
 
     name: str
     module: ModuleType
-    # why it cannot take (q [T, H, D] or [B, S, H, D], spec or None, kv heads or None); None: it can
-    why_not: Callable[[torch.Tensor, VarlenSpec | None, int | None], str | None]
+    # why it cannot take (q [T, H, D] or [B, S, H, D], spec or None, kv heads or None, variant);
+    # None: it can
+    why_not: Callable[[torch.Tensor, VarlenSpec | None, int | None, Variant], str | None]
     any_shape: bool  # ``auto`` may pick it for context-parallel calls (new shapes every step)
     fallback_on: tuple[type[Exception], ...]  # errors after which ``auto`` stops using it
     isolated: bool  # a NaN/Inf stays in its document (forward and backward)
@@ -66,22 +73,51 @@ class Backend(NamedTuple):
 # ``auto``'s order: FA4 measured fastest on Hopper in every layout we ran, flex next (faster
 # than torch's varlen kernel everywhere on H100/H200; docs/benchmarks.md)
 TABLE: tuple[Backend, ...] = (
-    Backend("fa4", fa4, lambda q, spec, kv: fa4.unsupported_reason(q, kv), True, (fa4.Unavailable,), True, False),
+    Backend(
+        "fa4",
+        fa4,
+        lambda q, spec, kv, var: fa4.unsupported_reason(q, kv) or fa4.variant_reason(q, spec, var),
+        True,
+        (fa4.Unavailable,),
+        True,
+        False,
+    ),
     Backend(
         "flex",
         flex,
-        lambda q, spec, kv: flex.unsupported_reason(q, None if spec is None else flex.problem_rows(spec)),
+        lambda q, spec, kv, var: (
+            flex.unsupported_reason(q, None if spec is None else flex.problem_rows(spec)) or flex.variant_reason(var)
+        ),
         False,
         (flex.CompileError,),
         False,
         False,
     ),
-    Backend("flash", flash, lambda q, spec, kv: flash.unsupported_reason(q), True, (), True, False),
-    Backend("math", math, lambda q, spec, kv: None, True, (), True, True),
+    Backend(
+        "flash",
+        flash,
+        lambda q, spec, kv, var: flash.unsupported_reason(q) or _flash_variant_reason(spec, var),
+        True,
+        (),
+        True,
+        False,
+    ),
+    Backend("math", math, lambda q, spec, kv, var: None, True, (), True, True),
 )
 # automatic modes -> the property a backend needs to be picked (None: any)
 AUTO_MODES: dict[str, str | None] = {"auto": None, "auto-isolated": "isolated", "auto-invariant": "invariant"}
 BACKENDS = (*AUTO_MODES, *(b.name for b in TABLE))
+
+
+def _flash_variant_reason(spec: VarlenSpec | None, var: Variant) -> str | None:
+    if var.softcap:
+        return "takes no softcap (torch's flash varlen kernel has none)"
+    if var.v_dim is not None:
+        return "needs v's head dim equal to q's"
+    if spec is not None and spec.prefix is not None:
+        return "takes no bidirectional prefixes (per-query key intervals)"
+    return None
+
 
 _broken: dict[str, Exception] = {}  # backends that failed to load/compile under ``auto``
 
@@ -93,21 +129,26 @@ def _entry(name: str) -> Backend:
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
-def reasons(q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | None = None) -> dict[str, str | None]:
-    """Per backend, why it cannot take ``q`` (and ``spec``/``kv_heads`` when given); None: it can."""
-    return {b.name: b.why_not(q, spec, kv_heads) for b in TABLE}
+def reasons(
+    q: torch.Tensor, spec: VarlenSpec | None = None, kv_heads: int | None = None, variant: Variant = Variant()
+) -> dict[str, str | None]:
+    """Per backend, why it cannot take ``q`` (and ``spec``/``kv_heads``/``variant`` when given);
+    None: it can."""
+    return {b.name: b.why_not(q, spec, kv_heads, variant) for b in TABLE}
 
 
-def check_backend(backend: str, q: torch.Tensor, kv_heads: int | None = None) -> None:
+def check_backend(backend: str, q: torch.Tensor, kv_heads: int | None = None, variant: Variant = Variant()) -> None:
     """Raise if ``backend`` is unknown or a forced backend cannot take ``q`` at all."""
     if backend in AUTO_MODES:
         return
-    why = _entry(backend).why_not(q, None, kv_heads)
+    why = _entry(backend).why_not(q, None, kv_heads, variant)
     if why is not None:
         raise ValueError(f"backend={backend!r} {why}")
 
 
-def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None = None) -> str:
+def choose(
+    backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None = None, variant: Variant = Variant()
+) -> str:
     """The concrete backend that runs ``spec`` (``q`` is packed ``[T, H, D]``).
 
     ``auto``: the first backend of :data:`TABLE` that takes the problem, skipping flex for
@@ -116,7 +157,7 @@ def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None
     property. A forced backend that cannot take it raises ``ValueError`` with the rule.
     """
     if backend not in AUTO_MODES:
-        why = _entry(backend).why_not(q, spec, kv_heads)
+        why = _entry(backend).why_not(q, spec, kv_heads, variant)
         if why is not None:
             raise ValueError(f"backend={backend!r} {why}")
         return backend
@@ -125,22 +166,24 @@ def choose(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int | None
     for b in TABLE:
         if needs is not None and not getattr(b, needs):
             continue
-        if b.name not in _broken and (local or b.any_shape) and b.why_not(q, spec, kv_heads) is None:
+        if b.name not in _broken and (local or b.any_shape) and b.why_not(q, spec, kv_heads, variant) is None:
             return b.name
     return "math"  # pragma: no cover - math takes everything
 
 
-def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, args: tuple):
-    name = choose(backend, spec, q, kv_heads)
+def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, args: tuple, variant: Variant):
+    name = choose(backend, spec, q, kv_heads, variant)
+    # softcap only where asked: a backend without it (flash) is never chosen for it
+    kwargs = {"softcap": variant.softcap} if variant.softcap else {}
     while True:
         entry = _entry(name)
         try:
-            return getattr(entry.module, pass_)(spec, *args)
+            return getattr(entry.module, pass_)(spec, *args, **kwargs)
         except entry.fallback_on as err:
             if backend not in AUTO_MODES:
                 raise
             _broken[name] = err
-            name = choose(backend, spec, q, kv_heads)
+            name = choose(backend, spec, q, kv_heads, variant)
             warnings.warn(
                 f"doc_packed: backend {entry.name!r} failed ({err}); backend={backend!r} uses {name!r} from now on",
                 RuntimeWarning,
@@ -148,15 +191,24 @@ def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: 
             )
 
 
-def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str):
-    """``(out [T_q, H_q, D], lse [H_q, T_q])`` of a packed problem."""
+def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str, softcap: float = 0.0):
+    """``(out [T_q, H_q, D_v], lse [H_q, T_q])`` of a packed problem (``softcap`` 0.0: none)."""
     if spec.total_q == 0:
-        return torch.empty_like(q), q.new_empty((q.shape[1], 0), dtype=lse_dtype(q.dtype))
-    return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale))
+        out = q.new_empty((*q.shape[:2], v.shape[-1]))
+        return out, q.new_empty((q.shape[1], 0), dtype=lse_dtype(q.dtype))
+    return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale), Variant.of(q, v, softcap))
 
 
-def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: str):
+def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: str, softcap: float = 0.0):
     """``(dq, dk, dv)`` of a packed problem from the saved ``out`` and ``lse``."""
     if spec.total_q == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _run("backward", backend, spec, q, k.shape[1], (dout, q, k, v, out, lse, scale))
+    return _run("backward", backend, spec, q, k.shape[1], (dout, q, k, v, out, lse, scale), Variant.of(q, v, softcap))
+
+
+def max_logits(spec: VarlenSpec, q, k, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """``[H_q]`` max logits of a packed problem (one extra ``Q K^T`` pass of the math kernel, on
+    any device: no fused kernel returns them yet; docs/kernels.md)."""
+    if spec.total_q == 0:
+        return torch.full((q.shape[1],), -float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    return math.max_logits(spec, q, k, scale, softcap)

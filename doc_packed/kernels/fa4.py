@@ -26,7 +26,7 @@ import os
 import torch
 from torch import Tensor
 
-from .spec import VarlenSpec
+from .spec import Variant, VarlenSpec
 
 MODULE = "flash_attn.cute.interface"
 PACKAGE = "flash-attn-4"
@@ -112,6 +112,29 @@ def unsupported_reason(q: Tensor, kv_heads: int | None = None) -> str | None:
     return None
 
 
+def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant) -> str | None:
+    """Why FA4 cannot run this variant (after :func:`unsupported_reason` passed): FA4 4.0.0b36's
+    head-dim pairs (``_validate_head_dims``), no per-query key intervals (prefixes), and no
+    softcap in its Blackwell backward at head dim 256."""
+    if spec is not None and spec.prefix is not None:
+        return "takes no bidirectional prefixes (they need per-query key intervals: flex or math)"
+    if q.device.type != "cuda":
+        return None
+    major = _capability(q.device.index if q.device.index is not None else 0)[0]
+    d = q.shape[-1]
+    if var.v_dim is not None:
+        dv = var.v_dim
+        if dv % 8:
+            return f"needs v's head dim % 8 == 0, got {dv}"
+        ok = 8 <= dv <= 256 if major == 9 else (dv <= 128 and d <= 128) or (d, dv) == (192, 128)
+        if not ok:
+            rule = "8..256" if major == 9 else "both <= 128, or (192, 128)"
+            return f"needs head dims (q/k, v) {rule} on compute capability {major}.x, got ({d}, {dv})"
+    if var.softcap and major == 10 and d == 256:
+        return "takes no softcap at head dim 256 on compute capability 10.x (its backward has none)"
+    return None
+
+
 def window(spec: VarlenSpec) -> tuple[int | None, int | None]:
     """The spec's ``(left, right)`` in FA4's form: -1 (unbounded) becomes None.
 
@@ -158,17 +181,30 @@ def _args(spec: VarlenSpec, q: Tensor, scale: float) -> dict:
     }
 
 
-def forward(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
+def forward(
+    spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """``(out [T_q, H_q, D_v], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
     fwd, _ = _interface()
-    out, lse, *_ = fwd(q, k, v, return_lse=True, **_args(spec, q, scale))
+    extra = {"softcap": softcap} if softcap else {}
+    out, lse, *_ = fwd(q, k, v, return_lse=True, **_args(spec, q, scale), **extra)
     return out, lse
 
 
 def backward(
-    spec: VarlenSpec, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+    spec: VarlenSpec,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` from the saved ``out`` (q's dtype) and natural-log ``lse [H_q, T_q]``."""
+    """``(dq, dk, dv)`` from the saved ``out`` (q's dtype) and natural-log ``lse [H_q, T_q]``
+    (which may include sink terms: FA4 then normalises ``P`` as the forward did)."""
     _, bwd = _interface()
-    dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale))[:3]
+    extra = {"softcap": softcap} if softcap else {}
+    dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale), **extra)[:3]
     return dq, dk, dv

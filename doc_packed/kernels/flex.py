@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 
 from .. import _compat
-from .spec import VarlenSpec
+from .spec import Variant, VarlenSpec
 
 BLOCK = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,6 +65,14 @@ def unsupported_reason(q: torch.Tensor, rows: tuple[int, int, int] | None) -> st
     return None
 
 
+def variant_reason(var: Variant) -> str | None:
+    """Why flex cannot run this variant: a value head dim outside the q/k rule. Softcap is a
+    score_mod and prefixes are in the key intervals, so both run."""
+    if var.v_dim is not None and var.v_dim not in _HEAD_DIMS:
+        return f"needs v's head dim in {_HEAD_DIMS}, got {var.v_dim}"
+    return None
+
+
 def problem_rows(spec: VarlenSpec) -> tuple[int, int, int]:
     """``(num_rows, q_len, k_len)``: the flex batch a spec maps to."""
     if spec.row_len is not None and spec.total_q == spec.total_k:
@@ -81,6 +89,18 @@ def _mask_mod(b, h, q_idx, kv_idx, lo, hi):
 
 def _score_mod(score, b, h, q_idx, kv_idx):
     return score
+
+
+@functools.cache
+def score_mod(softcap: float):
+    """The pass's score_mod: identity, or ``softcap * tanh(score / softcap)`` (flex scales first)."""
+    if not softcap:
+        return _score_mod
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return capped
 
 
 def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +213,12 @@ def _kernel_options() -> dict:
 
 
 @functools.cache
-def _score_graphs(device: torch.device, dtype: torch.dtype):
-    """flex's ``(fw_graph, joint_graph)`` of the identity score_mod, built once."""
+def _score_graphs(device: torch.device, dtype: torch.dtype, softcap: float = 0.0):
+    """flex's ``(fw_graph, joint_graph)`` of the pass's score_mod, built once per softcap."""
     create_fw_bw_graph = _compat.create_fw_bw_graph()
     scalar = torch.zeros((), device=device, dtype=dtype, requires_grad=True)
     index = tuple(torch.zeros((), device=device, dtype=torch.int) for _ in range(4))
-    return create_fw_bw_graph(_score_mod, (scalar, *index), ())
+    return create_fw_bw_graph(score_mod(softcap), (scalar, *index), ())
 
 
 class CompileError(RuntimeError):
@@ -236,16 +256,18 @@ def _first_call(key, fn, inputs):
         raise CompileError(f"{type(err).__name__}: {err}") from err
 
 
-def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph) -> tuple:
+def _key(pass_, spec, q, k, scale, mask: _Mask, compile_graph, v=None, softcap=0.0) -> tuple:
     return (
         pass_,
         compile_graph,
         problem_rows(spec),
         tuple(q.shape),
         tuple(k.shape),
+        None if v is None else v.shape[-1],
         q.dtype,
         q.device,
         scale,
+        softcap,
         mask.signature,
     )
 
@@ -269,8 +291,8 @@ def _run_pass(key, inputs: tuple, make_fn, compile_graph: bool):
     return _first_call(key, _compile(key, make_fn(), inputs, compile_graph), inputs)
 
 
-def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | None = None):
-    """``(out [T_q, H_q, D], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
+def forward(spec: VarlenSpec, q, k, v, scale: float, softcap: float = 0.0, *, compile_graph: bool | None = None):
+    """``(out [T_q, H_q, D_v], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf."""
     compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
     mask = block_mask(spec, q.device)
     q4, k4, v4 = _views(spec, q, k, v)
@@ -280,22 +302,22 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, *, compile_graph: bool | No
         opts = dict(_kernel_options())  # a private copy per traced pass
 
         def run(q4, k4, v4, lo, hi, *bt):
-            out, lse, *_ = flex_hop(q4, k4, v4, _score_mod, mask.rebuild(bt), scale, opts, (), (lo, hi))
+            out, lse, *_ = flex_hop(q4, k4, v4, score_mod(softcap), mask.rebuild(bt), scale, opts, (), (lo, hi))
             return out, lse
 
         return run
 
     out4, lse2 = _run_pass(
-        _key("fwd", spec, q, k, scale, mask, compile_graph),
+        _key("fwd", spec, q, k, scale, mask, compile_graph, v, softcap),
         (q4, k4, v4, mask.lo, mask.hi, *mask.tensors),
         make_fn,
         compile_graph,
     )
-    out = out4.transpose(1, 2).reshape(q.shape)
+    out = out4.transpose(1, 2).reshape(*q.shape[:2], v.shape[-1])
     return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile_graph=None):
+def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, softcap: float = 0.0, *, compile_graph=None):
     """``(dq, dk, dv)`` from the saved ``out`` and natural-log ``lse [H_q, T_q]``."""
     compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
     mask = block_mask(spec, q.device)
@@ -306,7 +328,7 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
     def make_fn():
         flex_attention_backward = _compat.flex_attention_backward_hop()
         opts = dict(_kernel_options())  # a private copy per traced pass
-        fw_graph, joint_graph = _score_graphs(q.device, q.dtype)
+        fw_graph, joint_graph = _score_graphs(q.device, q.dtype, softcap)
 
         def run(q4, k4, v4, o4, lse2, do4, lo, hi, *bt):
             dq, dk, dv, *_ = flex_attention_backward(
@@ -317,7 +339,7 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, *, compile
         return run
 
     dq, dk, dv = _run_pass(
-        _key("bwd", spec, q, k, scale, mask, compile_graph),
+        _key("bwd", spec, q, k, scale, mask, compile_graph, v, softcap),
         (q4, k4, v4, o4, lse2, do4, mask.lo, mask.hi, *mask.tensors),
         make_fn,
         compile_graph,

@@ -115,12 +115,20 @@ def _hidden(spec: VarlenSpec, bounds, tile, t0: int, device: torch.device) -> Te
     return spec.cached(("hidden", device, t0, k0), build)
 
 
-def _masked_scores(spec, qb, kb, scale, bounds, tile, t0, n):
+def _masked_scores(spec, qb, kb, scale, bounds, tile, t0, n, softcap: float = 0.0, slope: bool = False):
+    """Scaled (and softcapped) scores of one tile with hidden pairs at -inf; with ``slope`` also
+    the softcap's derivative ``1 - tanh(s / softcap) ** 2`` (None without softcapping)."""
     s = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale)
+    d = None
+    if softcap:
+        t = s.div_(softcap).tanh_()
+        if slope:
+            d = 1 - t * t
+        s = t.mul_(softcap)
     if tile[2]:
         hkv, gn, bk = s.shape
         s.view(hkv, gn // n, n, bk).masked_fill_(_hidden(spec, bounds, tile, t0, s.device), -math.inf)
-    return s
+    return s, d
 
 
 def _device_bounds(spec: VarlenSpec, device: torch.device):
@@ -140,25 +148,41 @@ def _query_blocks(spec: VarlenSpec, q: Tensor, hkv: int, acc: torch.dtype):
         )
 
 
-def _key_tile(spec: VarlenSpec, blk: _Block, tile, qb: Tensor, k: Tensor, v: Tensor, acc, scale: float, bounds):
-    """One key tile of ``blk``: ``(keys, values, masked scaled scores)``, keys/values heads-first."""
+def _key_tile(
+    spec: VarlenSpec,
+    blk: _Block,
+    tile,
+    qb: Tensor,
+    k: Tensor,
+    v: Tensor | None,
+    acc,
+    scale: float,
+    bounds,
+    softcap=0.0,
+    slope=False,
+):
+    """One key tile of ``blk``: ``(keys, values, masked scaled scores, softcap slope or None)``,
+    keys/values heads-first."""
     k0, k1, _ = tile
     kb = _fresh(k[k0:k1].transpose(0, 1), acc)
-    vb = _fresh(v[k0:k1].transpose(0, 1), acc)
-    return kb, vb, _masked_scores(spec, qb, kb, scale, bounds, tile, blk.t0, blk.t1 - blk.t0)
+    vb = None if v is None else _fresh(v[k0:k1].transpose(0, 1), acc)
+    return kb, vb, *_masked_scores(spec, qb, kb, scale, bounds, tile, blk.t0, blk.t1 - blk.t0, softcap, slope)
 
 
-def forward(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out [T_q, H_q, D], lse [H_q, T_q])``; lse is float32 (float64 for float64 inputs)."""
+def forward(
+    spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """``(out [T_q, H_q, D_v], lse [H_q, T_q])``; lse is float32 (float64 for float64 inputs).
+    ``softcap > 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``."""
     hkv = k.shape[1]
     acc = lse_dtype(q.dtype)
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    out = torch.zeros((*q.shape[:2], v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc, device=q.device)
     for blk, t0, t1, qb, bounds in _query_blocks(spec, q, hkv, acc):
         n = t1 - t0
         m = l = o = qb  # placeholders: set by the first tile (every block has one)
         for i, tile in enumerate(blk.tiles):
-            _, vb, s = _key_tile(spec, blk, tile, qb, k, v, acc, scale, bounds)
+            _, vb, s, _ = _key_tile(spec, blk, tile, qb, k, v, acc, scale, bounds, softcap)
             m_new = s.amax(-1) if i == 0 else torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             p = s.sub_(m_safe[..., None]).exp_()
@@ -184,9 +208,20 @@ def _whole_rows(spec: VarlenSpec) -> bool:
 
 
 def backward(
-    spec: VarlenSpec, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+    spec: VarlenSpec,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` from the saved ``out`` and ``lse`` (no forward recompute).
+    """``(dq, dk, dv)`` from the saved ``out`` and ``lse`` (no forward recompute). With
+    ``softcap``, ``dS`` is taken through the cap: ``dS_raw = dS * (1 - tanh(s / softcap) ** 2)``.
+    ``lse`` may include sink terms (it then normalises ``P`` as the forward did; sinks have no
+    value, so nothing else changes).
 
     ``out``/``lse`` are the rows' final values, possibly merged over more keys than ``spec``
     holds (context parallelism): the result is then this part's share (the module doc)."""
@@ -203,8 +238,8 @@ def backward(
         lse_b = lse_b.masked_fill(lse_b == -math.inf, math.inf)  # rows that see nothing
 
         def probs(tile):
-            kb, vb, s = _key_tile(spec, blk, tile, qb, k, v, acc, scale, bounds)
-            return kb, vb, s.sub_(lse_b[..., None]).exp_(), torch.bmm(dob, vb.transpose(1, 2))
+            kb, vb, s, slope = _key_tile(spec, blk, tile, qb, k, v, acc, scale, bounds, softcap, True)
+            return kb, vb, s.sub_(lse_b[..., None]).exp_(), torch.bmm(dob, vb.transpose(1, 2)), slope
 
         kept: list = [None] * len(blk.tiles)
         if whole_rows:  # pass 1: delta = rowsum(P * dP), keeping tiles for pass 2 while they fit
@@ -213,7 +248,7 @@ def backward(
             for i, tile in enumerate(blk.tiles):
                 tensors = probs(tile)
                 delta += (tensors[2] * tensors[3]).sum(-1)
-                size = sum(t.numel() * t.element_size() for t in tensors)
+                size = sum(t.numel() * t.element_size() for t in tensors if t is not None)
                 if size <= room:
                     room -= size
                     kept[i] = tensors
@@ -222,11 +257,28 @@ def backward(
         dqb = torch.zeros_like(qb)
         for tile, tensors in zip(blk.tiles, kept):
             k0, k1, _ = tile
-            kb, vb, p, dp = probs(tile) if tensors is None else tensors
+            kb, vb, p, dp, slope = probs(tile) if tensors is None else tensors
             dv[k0:k1] += torch.bmm(p.transpose(1, 2), dob).transpose(0, 1)
             ds = dp.sub_(delta[..., None]).mul_(p)
+            if slope is not None:
+                ds = ds.mul_(slope)
             dqb += torch.bmm(ds, kb)
             dk[k0:k1] += torch.bmm(ds.transpose(1, 2), qb).transpose(0, 1)
         g = q.shape[1] // hkv
         dq[t0:t1].view(n, hkv, g, -1).copy_(dqb.mul_(scale).view(hkv, g, n, -1).permute(2, 0, 1, 3))
     return dq, dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+
+
+def max_logits(spec: VarlenSpec, q: Tensor, k: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
+    """``[H_q]``: per head, the largest visible scaled (post-softcap) logit over every query of
+    ``spec`` (-inf for a head none of whose queries sees a key); float32 (float64 for float64).
+    One pass of ``Q K^T`` over the same blocks as :func:`forward`, no softmax, no values."""
+    hkv, hq = k.shape[1], q.shape[1]
+    acc = lse_dtype(q.dtype)
+    best = torch.full((hkv, hq // hkv), -math.inf, dtype=acc, device=q.device)
+    for blk, t0, t1, qb, bounds in _query_blocks(spec, q, hkv, acc):
+        n = t1 - t0
+        for tile in blk.tiles:
+            _, _, s, _ = _key_tile(spec, blk, tile, qb, k, None, acc, scale, bounds, softcap)
+            best = torch.maximum(best, s.view(hkv, -1, n * s.shape[-1]).amax(-1))
+    return best.reshape(hq)

@@ -6,15 +6,31 @@ Queries ``[T_q, H_q, D]`` and keys ``[T_k, H_kv, D]`` are split into segments by
     i + (L_k - L_q) - left <= j <= i + (L_k - L_q) + right     (right = 0 when causal)
 
 with -1 meaning unbounded: flash-attention's bottom-right-aligned convention, so a query chunk
-given the key prefix of its document stays exactly causal. The same spec drives every backend;
+given the key prefix of its document stays exactly causal. With ``prefix`` (one length ``P`` per
+segment, causal only), a query whose diagonal ``i + (L_k - L_q)`` is below ``P`` also sees every
+key below ``P`` (a bidirectional prefix): its interval becomes ``[0, max(hi, P - 1)]``, still one
+interval per query with both ends non-decreasing, which is all the kernels rely on. The same spec drives every backend;
 device tensors are made once per device and cached on the spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+
+
+class Variant(NamedTuple):
+    """What a call asks of a kernel beyond its :class:`VarlenSpec` (the mask, prefixes included):
+    ``softcap`` (0.0: none) and the value head dim (``None``: q's)."""
+
+    softcap: float = 0.0
+    v_dim: int | None = None
+
+    @staticmethod
+    def of(q: torch.Tensor, v: torch.Tensor, softcap: float = 0.0) -> Variant:
+        return Variant(softcap, None if v.shape[-1] == q.shape[-1] else v.shape[-1])
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,13 +42,37 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 class VarlenSpec:
     """Segment offsets (host ints) plus the mask of a packed varlen attention call."""
 
-    __slots__ = ("_cache", "causal", "cu_k", "cu_q", "left", "max_k", "max_q", "right", "row_len", "total_k", "total_q")
+    __slots__ = (
+        "_cache",
+        "causal",
+        "cu_k",
+        "cu_q",
+        "left",
+        "max_k",
+        "max_q",
+        "prefix",
+        "right",
+        "row_len",
+        "total_k",
+        "total_q",
+    )
 
     def __init__(
-        self, cu_q: Sequence[int], cu_k: Sequence[int], causal: bool, left: int, right: int, row_len: int | None = None
+        self,
+        cu_q: Sequence[int],
+        cu_k: Sequence[int],
+        causal: bool,
+        left: int,
+        right: int,
+        row_len: int | None = None,
+        prefix: Sequence[int] | None = None,
     ):
         if len(cu_q) != len(cu_k) or len(cu_q) < 1:
             raise ValueError("cu_q and cu_k must have the same, non-zero length")
+        if prefix is not None and (len(prefix) != len(cu_q) - 1 or not causal):
+            raise ValueError("prefix needs causal=True and one length per segment")
+        # per segment, the length of its bidirectional prefix in key positions (None: no prefixes)
+        self.prefix = None if prefix is None or not any(prefix) else tuple(int(x) for x in prefix)
         self.cu_q = tuple(int(x) for x in cu_q)
         self.cu_k = tuple(int(x) for x in cu_k)
         self.causal = causal
@@ -82,6 +122,11 @@ class VarlenSpec:
                 hi = lk[seg] - 1
             else:
                 hi = torch.minimum(diag + self.right, lk[seg] - 1)
+            if self.prefix is not None:
+                plen = torch.minimum(torch.tensor(self.prefix, dtype=torch.int64)[seg], lk[seg])
+                inside = diag < plen
+                lo = lo.masked_fill(inside, 0)
+                hi = torch.where(inside, torch.maximum(hi, plen - 1), hi)
             return lo + cu_k[seg], hi + cu_k[seg]
 
         return self.cached("key_bounds", build)
