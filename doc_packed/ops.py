@@ -166,17 +166,17 @@ def forward_impl(
         out, lse = cp_attention.forward(
             q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
         )
+        if sinks is not None:  # once per query, after the merge over stages and ranks
+            out, lse = add_sinks(out, lse, sinks)
     else:
         B, S, Hq, D = q.shape
         if S != seq_len:
             _check_local(q, seq_len)
         spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
-        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap)
+        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap, sinks)
         # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
         out = out.view(B, S, Hq, v.shape[-1]).contiguous()
         lse = (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks)
     return out, lse
 
 

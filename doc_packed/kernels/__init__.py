@@ -45,6 +45,7 @@ __all__ = [
     "TABLE",
     "Backend",
     "Variant",
+    "add_sinks",
     "VarlenSpec",
     "backward",
     "check_backend",
@@ -68,6 +69,7 @@ class Backend(NamedTuple):
     fallback_on: tuple[type[Exception], ...]  # errors after which ``auto`` stops using it
     isolated: bool  # a NaN/Inf stays in its document (forward and backward)
     invariant: bool  # batch-invariant: a document's bits depend on that document alone
+    sinks: bool = False  # its forward takes ``sinks=`` (in-kernel); else they join after it
 
 
 # ``auto``'s order: FA4 measured fastest on Hopper in every layout we ran, flex next (faster
@@ -81,6 +83,7 @@ TABLE: tuple[Backend, ...] = (
         (fa4.Unavailable,),
         True,
         False,
+        True,
     ),
     Backend(
         "flex",
@@ -171,14 +174,35 @@ def choose(
     return "math"  # pragma: no cover - math takes everything
 
 
-def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, args: tuple, variant: Variant):
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink term joins finished rows (once per query): ``lse' = logaddexp(lse, sink)`` and
+    ``out' = out * exp(lse - lse')``, on packed ``out [T, H, Dv]`` and ``lse [H, T]``."""
+    new = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    w = torch.exp(lse - new).t()[..., None]
+    return (out.to(lse.dtype) * w).to(out.dtype), new
+
+
+def _run(
+    pass_: str,
+    backend: str,
+    spec: VarlenSpec,
+    q: torch.Tensor,
+    kv_heads: int,
+    args: tuple,
+    variant: Variant,
+    sinks: torch.Tensor | None = None,
+):
     name = choose(backend, spec, q, kv_heads, variant)
     # softcap only where asked: a backend without it (flash) is never chosen for it
     kwargs = {"softcap": variant.softcap} if variant.softcap else {}
     while True:
         entry = _entry(name)
         try:
-            return getattr(entry.module, pass_)(spec, *args, **kwargs)
+            if sinks is None:
+                return getattr(entry.module, pass_)(spec, *args, **kwargs)
+            if entry.sinks:
+                return getattr(entry.module, pass_)(spec, *args, sinks=sinks, **kwargs)
+            return add_sinks(*getattr(entry.module, pass_)(spec, *args, **kwargs), sinks)
         except entry.fallback_on as err:
             if backend not in AUTO_MODES:
                 raise
@@ -191,12 +215,13 @@ def _run(pass_: str, backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: 
             )
 
 
-def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str, softcap: float = 0.0):
-    """``(out [T_q, H_q, D_v], lse [H_q, T_q])`` of a packed problem (``softcap`` 0.0: none)."""
+def forward(spec: VarlenSpec, q, k, v, scale: float, backend: str, softcap: float = 0.0, sinks=None):
+    """``(out [T_q, H_q, D_v], lse [H_q, T_q])`` of a packed problem (``softcap`` 0.0: none;
+    ``sinks [H_q]``: in the kernel where it takes them, else joined after it; lse includes them)."""
     if spec.total_q == 0:
         out = q.new_empty((*q.shape[:2], v.shape[-1]))
         return out, q.new_empty((q.shape[1], 0), dtype=lse_dtype(q.dtype))
-    return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale), Variant.of(q, v, softcap))
+    return _run("forward", backend, spec, q, k.shape[1], (q, k, v, scale), Variant.of(q, v, softcap), sinks)
 
 
 def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: str, softcap: float = 0.0):
