@@ -202,7 +202,8 @@ def _run(
                 return getattr(entry.module, pass_)(spec, *args, **kwargs)
             if entry.sinks:
                 return getattr(entry.module, pass_)(spec, *args, sinks=sinks, **kwargs)
-            return add_sinks(*getattr(entry.module, pass_)(spec, *args, **kwargs), sinks)
+            out, lse = getattr(entry.module, pass_)(spec, *args, **kwargs)
+            return add_sinks(out, lse, sinks)
         except entry.fallback_on as err:
             if backend not in AUTO_MODES:
                 raise
