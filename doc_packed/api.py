@@ -258,13 +258,14 @@ def _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits) 
     if cp_group is None:
         return
     for name, unsupported in (
-        ("softcap", softcap is not None),
         ("prefix_lens", prefix_lens is not None),
         ("return_max_logits", return_max_logits),
         ("a value head dim unlike q's", v.shape[-1] != q.shape[-1]),
     ):
         if unsupported:
-            raise NotImplementedError(f"{name} under context parallelism (cp_group) is not supported yet; sinks are")
+            raise NotImplementedError(
+                f"{name} under context parallelism (cp_group) is not supported yet (sinks and softcap are)"
+            )
 
 
 def attention(

@@ -99,11 +99,9 @@ def _local_problem(cu_seqlens, seq_len, causal, left, right, prefix_lens=None) -
     )
 
 
-def _reject_cp_variants(q, v, softcap, prefix_lens) -> None:
+def _reject_cp_variants(q, v, prefix_lens) -> None:
     """The variants context parallelism cannot run yet raise, naming the variant (sinks run: their
-    term joins each query's merged row once, after the exchange)."""
-    if softcap:
-        raise NotImplementedError("softcap under context parallelism (cp_group) is not supported yet")
+    term joins each query's merged row once, after the exchange; softcap runs per stage)."""
     if v.shape[-1] != q.shape[-1]:
         raise NotImplementedError(
             f"a value head dim ({v.shape[-1]}) unlike q's ({q.shape[-1]}) under context parallelism "
@@ -162,9 +160,9 @@ def forward_impl(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(q, v, softcap, prefix_lens)
+        _reject_cp_variants(q, v, prefix_lens)
         out, lse = cp_attention.forward(
-            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
+            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, softcap
         )
         if sinks is not None:  # once per query, after the merge over stages and ranks
             out, lse = add_sinks(out, lse, sinks)
@@ -207,9 +205,23 @@ def backward_impl(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(q, v, softcap, prefix_lens)
+        _reject_cp_variants(q, v, prefix_lens)
         return cp_attention.backward(
-            dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens,
+            seq_len,
+            causal,
+            window_left,
+            window_right,
+            scale,
+            backend,
+            cp_group,
+            softcap,
         )
     B, S, Hq, D = q.shape
     if S != seq_len:

@@ -46,6 +46,7 @@ def get_schedule(
     scale: float | None = None,
     backend: str = "auto",
     pass_: str = "forward",
+    softcap: float = 0.0,
 ) -> RankSchedule:
     """This rank's schedule for the call, once every rank of the group agreed to make it.
 
@@ -75,6 +76,7 @@ def get_schedule(
             "dtype": q.dtype,
             "device type": q.device.type,
             "scale": scale,
+            "softcap": softcap,
             "pass": pass_,
         }
         start, end = owner_range(seq_len, size, rank)
@@ -273,17 +275,25 @@ class _Grad:
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first: bool) -> None:
+def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first: bool, softcap=0.0) -> None:
     for call in calls:
         k, v = kvs[call.k_buf]
         o, l = kernels.forward(
-            call.spec, qs[call.q_buf][call.q0 : call.q1], k[call.k0 : call.k1], v[call.k0 : call.k1], scale, backend
+            call.spec,
+            qs[call.q_buf][call.q0 : call.q1],
+            k[call.k0 : call.k1],
+            v[call.k0 : call.k1],
+            scale,
+            backend,
+            softcap,
         )
         rows[call.q_buf].write(call, o, l, first)
 
 
-def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
-    sch = get_schedule(q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend)
+def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0):
+    sch = get_schedule(
+        q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend, softcap=softcap
+    )
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     kv_pending = _start_kv(sch, kf, vf, group_name)
@@ -296,11 +306,11 @@ def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, g
     rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
     kvs = {LOCAL: (kf, vf)}
     # stage A: own queries x own keys while the exchange is in flight
-    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, first=True)
+    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, True, softcap)
     # stage B: everything that reads a received buffer
     kvs[RECV] = _landed_kv(kv_pending, kf)
     q_recv = comm.wait(q_pending) if q_pending is not None else qf[:0]
-    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, first=False)
+    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, False, softcap)
     out, lse = rows[LOCAL].result()
     if sch.q_traffic:  # moved-in rows' output and lse go home in one message
         o_moved, l_moved = rows[RECV].result()
@@ -336,9 +346,22 @@ def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: t
         dv[r0 : r0 + n] = total[s0 : s0 + n, 1]
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name):
+def backward(
+    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0
+):
     sch = get_schedule(
-        q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend, pass_="backward"
+        q,
+        k,
+        cu_seqlens,
+        seq_len,
+        causal,
+        left,
+        right,
+        group_name,
+        scale=scale,
+        backend=backend,
+        pass_="backward",
+        softcap=softcap,
     )
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -366,7 +389,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, 
             kb, vb = kvs[call.k_buf]
             qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
             g_q, g_k, g_v = kernels.backward(
-                call.spec, dob[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), scale, backend
+                call.spec, dob[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), scale, backend, softcap
             )
             dq[call.q_buf].add(call.q0, g_q, call.rows)
             dk[call.k_buf].add(call.k0, g_k, call.k_rows)

@@ -1,0 +1,75 @@
+"""Rank bodies for tests/test_cp_variants.py (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import doc_packed as dp
+from oracle import reference
+
+
+def cp_variant_parity(rank, world, cases):
+    """Per case: context-parallel doc_packed_attn with sinks and/or softcap against the oracle;
+    this rank's out, lse, dq/dk/dv and its share of dsinks (the ranks' shares sum to the
+    oracle's dsinks: each rank holds its own queries)."""
+    group = dist.group.WORLD
+    report = []
+    for case in cases:
+        lengths, S, Hq, Hkv, D = case["lengths"], case["S"], case["Hq"], case["Hkv"], case["D"]
+        window, softcap = case["window"], case.get("softcap")
+        B = len(lengths)
+        cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=case.get("max_docs"))
+        g = torch.Generator().manual_seed(case.get("seed", 0))
+        q, k, v, dout = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hq))
+        sinks = torch.randn(Hq, generator=g, dtype=torch.float64) if case.get("sinks") else None
+        rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
+        rs = None if sinks is None else sinks.clone().requires_grad_()
+        ref_out, ref_lse = reference(rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap)
+        wrt = (rq, rk, rv) + (() if rs is None else (rs,))
+        ref_grads = torch.autograd.grad(ref_out, wrt, dout)
+
+        def chunk(t):
+            parts = t.chunk(world, dim=1)
+            return parts[rank] if rank < len(parts) else t[:, :0]
+
+        lq, lk, lv = (chunk(t).clone().requires_grad_() for t in (q, k, v))
+        ls = None if sinks is None else sinks.clone().requires_grad_()
+        out, lse = dp.doc_packed_attn(
+            lq, lk, lv, cu, window_size=window, return_lse=True, cp_group=group, seq_len=S, sinks=ls, softcap=softcap
+        )
+        grads = torch.autograd.grad(out, (lq, lk, lv) + (() if ls is None else (ls,)), chunk(dout))
+        err = max(
+            (out - chunk(ref_out)).abs().max().item(),
+            (lse - ref_lse.chunk(world, dim=2)[rank]).abs().max().item(),
+            *[(a - chunk(b)).abs().max().item() for a, b in zip(grads[:3], ref_grads[:3])],
+        )
+        dsinks = grads[3].clone() if ls is not None else torch.zeros(0, dtype=torch.float64)
+        dist.all_reduce(dsinks)  # the ranks' shares: a replicated parameter's gradient is reduced
+        if ls is not None:
+            err = max(err, (dsinks - ref_grads[3]).abs().max().item())
+        report.append(err)
+    return report
+
+
+def cp_variant_rejected(rank, world):
+    """The variants context parallelism cannot run yet raise NotImplementedError naming them, on
+    every rank alike, before any exchange (the group stays usable: a plain call follows)."""
+    group = dist.group.WORLD
+    S = 32
+    cu = dp.cu_seqlens_from_lengths([[10, 22]], S)
+    q, k, v = (torch.randn(1, S // world, 2, 8, dtype=torch.float64) for _ in range(3))
+    msgs = []
+    for kw, vv in (
+        ({"prefix_lens": torch.tensor([[3, 0]], dtype=torch.int32)}, v),
+        ({"return_max_logits": True}, v),
+        ({}, torch.randn(1, S // world, 2, 4, dtype=torch.float64)),
+    ):
+        try:
+            dp.doc_packed_attn(q, k, vv, cu, cp_group=group, seq_len=S, **kw)
+            msgs.append(None)
+        except NotImplementedError as e:
+            msgs.append(str(e))
+    out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S)
+    msgs.append(tuple(out.shape))
+    return msgs
