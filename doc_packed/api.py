@@ -78,7 +78,8 @@ def _group_name(group: dist.ProcessGroup | str) -> tuple[str, int]:
 
 
 def _as_dtensor_like(q: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """A plain ``cu_seqlens`` next to DTensor inputs describes the whole batch: replicate it."""
+    """A plain ``cu_seqlens`` (or ``sinks``, ``prefix_lens``) next to DTensor inputs describes the
+    whole batch: replicate it."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(q, DTensor) and "shardings" not in sys.modules:
@@ -311,6 +312,12 @@ def attention(
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)
+        if variant and is_dtensor(q):  # plain sinks / prefix_lens beside DTensors: replicated
+            if return_max_logits:
+                raise NotImplementedError("return_max_logits with DTensor inputs is not supported yet")
+            variant = (variant[0], *(None if t is None else _as_dtensor_like(q, t) for t in variant[1:]))
+        elif return_max_logits and is_dtensor(q):
+            raise NotImplementedError("return_max_logits with DTensor inputs is not supported yet")
     out, lse = _eager.attention(
         q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim, *variant
     )

@@ -21,6 +21,11 @@ which is what context parallelism takes (``seq_len`` is the global length). Solv
 A ``Shard(1)`` that no strategy keeps raises in :mod:`shardings.dtensor` instead of being
 re-placed.
 
+The variants' tensor inputs (docs/contract.md, "Variants"), when given, ride along: ``sinks
+[H_q]`` is ``Shard(0)`` under heads (it shards with the heads) and Replicate otherwise;
+``prefix_lens [B, MAX_DOCS]`` travels with ``cu_seqlens`` (``Shard(0)`` under batch, else
+Replicate).
+
 The rules go through DTensor's own registry (``register_op_strategy``, the layer that
 ``register_sharding`` wraps): eager DTensor dispatch and AutoParallel's solver both read it.
 ``register_sharding`` itself cannot express the cross-dim rules above (it expands per-dim
@@ -141,6 +146,23 @@ def _arriving_sequence_dims(inputs: Sequence[OpStrategy], op: object) -> list[in
     return [d for d, p in enumerate(q.strategies[0].output_spec.placements) if p == _S1]
 
 
+# kind -> placement of the variants' tensors: sinks [H_q] go with the heads, prefix_lens with cu_seqlens
+_SINKS = {"replicate": _R, "batch": _R, "heads": _S0, "sequence": _R}
+_PREFIX = {"replicate": _R, "batch": _S0, "heads": _R, "sequence": _R}
+
+
+def _variant_inputs(op_schema: OpSchema) -> list[dict[str, Placement]]:
+    """The variants' tensor inputs present in this call, in argument order (each as its
+    kind -> placement table)."""
+    op, args = op_schema.op, op_schema.args_schema
+    present = []
+    for name, table in (("sinks", _SINKS), ("prefix_lens", _PREFIX)):
+        i = arg_index(op, name)
+        if len(args) > i and isinstance(args[i], OpStrategy):
+            present.append(table)
+    return present
+
+
 def _strategy(op_schema: OpSchema) -> OpStrategy:
     op = op_schema.op
     table = FWD if op is torch.ops.doc_packed.attn_fwd.default else BWD
@@ -151,8 +173,11 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
     k_meta = inputs[arg_index(op, "k")].strategies[0].output_spec.tensor_meta
     B, S, Hq, _ = q_meta.shape
     Hkv = k_meta.shape[2]
+    extra = _variant_inputs(op_schema)
     if table is FWD:
-        out_metas = [_meta(q_meta.shape, q_meta.dtype), _meta((B, Hq, S), lse_dtype(q_meta.dtype))]
+        v_meta = inputs[arg_index(op, "v")].strategies[0].output_spec.tensor_meta
+        out_shape = (B, S, Hq, v_meta.shape[3])
+        out_metas = [_meta(out_shape, q_meta.dtype), _meta((B, Hq, S), lse_dtype(q_meta.dtype))]
     else:
         out_metas = [_meta(inputs[i].strategies[0].output_spec.tensor_meta.shape, q_meta.dtype) for i in (1, 2, 3)]
     in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
@@ -162,7 +187,9 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
         outs = [
             DTensorSpec(mesh, tuple(table[kd][0][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(out_metas)
         ]
-        ins = [DTensorSpec(mesh, tuple(table[kd][1][i] for kd in kinds), tensor_meta=m) for i, m in enumerate(in_metas)]
+        placements = [tuple(table[kd][1][i] for kd in kinds) for i in range(len(table[kinds[0]][1]))]
+        placements += [tuple(t[kd] for kd in kinds) for t in extra]
+        ins = [DTensorSpec(mesh, p, tensor_meta=m) for p, m in zip(placements, in_metas)]
         costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
         specs.append(OpSpec(output_specs=tuple(outs), input_specs=ins, redistribute_cost=costs))
     return OpStrategy(specs)

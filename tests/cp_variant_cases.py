@@ -73,3 +73,46 @@ def cp_variant_rejected(rank, world):
     out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S)
     msgs.append(tuple(out.shape))
     return msgs
+
+
+def dtensor_variant_parity(rank, world, cases):
+    """doc_packed_attn on DTensors with sinks / softcap / prefix_lens (given as plain tensors:
+    replicated beside the DTensors) for each placement of q, k, v against the oracle: the largest
+    error over out, lse and the gradients of q, k, v and sinks, and out's placements."""
+    import shardings  # noqa: F401  (DTensor rules)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+    report = []
+    for case in cases:
+        lengths, S, Hq, Hkv, D, Dv = case["lengths"], case["S"], case["Hq"], case["Hkv"], case["D"], case["Dv"]
+        placements = case["placements"]
+        B = len(lengths)
+        cu = torch.tensor(case["cu"], dtype=torch.int32)
+        prefix = torch.tensor(case["prefix"], dtype=torch.int32) if case.get("prefix") else None
+        g = torch.Generator().manual_seed(3)
+        q, k = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv))
+        v = torch.randn(B, S, Hkv, Dv, generator=g, dtype=torch.float64)
+        dout = torch.randn(B, S, Hq, Dv, generator=g, dtype=torch.float64)
+        sinks = torch.randn(Hq, generator=g, dtype=torch.float64)
+        softcap = case.get("softcap")
+        rq, rk, rv, rs = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+        ref_out, ref_lse = reference(rq, rk, rv, cu, True, (-1, -1), sinks=rs, softcap=softcap, prefix_lens=prefix)
+        ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv, rs), dout)
+        dq_, dk_, dv_ = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v))
+        ls = sinks.clone().requires_grad_()
+        dcu = distribute_tensor(cu, mesh, [Shard(0) if p == Shard(0) else Replicate() for p in placements])
+        out, lse = dp.doc_packed_attn(
+            dq_, dk_, dv_, dcu, return_lse=True, sinks=ls, softcap=softcap, prefix_lens=prefix
+        )
+        assert isinstance(out, DTensor)
+        grads = torch.autograd.grad(out, (dq_, dk_, dv_, ls), distribute_tensor(dout, mesh, out.placements))
+        full = [t.full_tensor() if isinstance(t, DTensor) else t for t in grads]
+        err = max(
+            (out.full_tensor() - ref_out).abs().max().item(),
+            (lse.full_tensor() - ref_lse).abs().max().item(),
+            *[(a - b).abs().max().item() for a, b in zip(full, ref_grads)],
+        )
+        report.append((err, tuple(out.placements)))
+    return report

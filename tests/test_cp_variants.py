@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import random_lengths
-from cp_variant_cases import cp_variant_parity, cp_variant_rejected
+from cp_variant_cases import cp_variant_parity, cp_variant_rejected, dtensor_variant_parity
 
 
 def _cases(world):
@@ -60,3 +60,75 @@ def test_cp_unsupported_variants_raise_on_every_rank(run_ranks):
         assert "return_max_logits under context parallelism" in msgs[1]
         assert "value head dim unlike q's under context parallelism" in msgs[2]
         assert msgs[3] == (1, 16, 2, 8)
+
+
+def _dtensor_cases():
+    from torch.distributed.tensor import Replicate, Shard
+
+    base = dict(
+        lengths=[0, 0],
+        S=64,
+        Hq=4,
+        Hkv=2,
+        D=8,
+        Dv=8,
+        cu=[[0, 40, 43, 44, 64], [0, 64, 64, 64, 64]],
+        prefix=[[10, 3, 0, 20], [64, 0, 0, 0]],
+    )
+    out = []
+    for p in (Replicate(), Shard(0), Shard(2)):  # replicate, batch, heads
+        out.append(dict(base, placements=(p,), softcap=2.0))
+        out.append(dict(base, placements=(p,), Dv=4, prefix=None))
+    out.append(dict(base, placements=(Shard(1),), softcap=2.0, prefix=None))  # sequence: context parallel
+    return out
+
+
+def test_dtensor_variants(run_ranks):
+    """sinks shard with the heads, prefix_lens travel with cu_seqlens, softcap and a value head dim
+    unlike q's pass through every placement (the sequence one without prefixes): exact, and out
+    keeps q's placement."""
+    cases = _dtensor_cases()
+    for report in run_ranks(dtensor_variant_parity, 2, cases):
+        for case, (err, placements) in zip(cases, report):
+            assert err < 1e-10, (case["placements"], err)
+            assert placements == case["placements"]
+
+
+def test_strategies_carry_the_variant_inputs():
+    """The offered strategies place sinks with the heads (Shard(0) under heads, else Replicate)
+    and prefix_lens with cu_seqlens (Shard(0) under batch, else Replicate)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import shardings  # noqa: F401
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def strat(shape, dtype=torch.float32):
+            t = torch.empty(shape, device="meta", dtype=dtype)
+            spec = DTensorSpec(mesh, (Replicate(),), tensor_meta=TensorMeta(t.shape, t.stride(), dtype))
+            return OpStrategy([OpSpec(spec)])
+
+        q, kv, v = strat((2, 64, 4, 8)), strat((2, 64, 2, 8)), strat((2, 64, 2, 4))
+        cu, sinks, prefix = strat((2, 5), torch.int32), strat((4,)), strat((2, 4), torch.int32)
+        op = torch.ops.doc_packed.attn_fwd.default
+        args = (q, kv, v, cu, 64, True, -1, 0, 1.0, "auto", None, 0, None, 2.0, sinks, prefix)
+        result = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs[op](OpSchema(op, args, {}))
+        seen = {}
+        for s in result.strategies:
+            qp = s.input_specs[0].placements[0]
+            seen[qp] = (s.input_specs[4].placements[0], s.input_specs[5].placements[0], s.output_specs[0].shape)
+        assert seen[Shard(2)][:2] == (Shard(0), Replicate())
+        assert seen[Shard(0)][:2] == (Replicate(), Shard(0))
+        assert seen[Replicate()][:2] == (Replicate(), Replicate())
+        assert seen[Shard(1)][:2] == (Replicate(), Replicate())
+        assert all(shape == torch.Size((2, 64, 4, 4)) for _, _, shape in seen.values())  # out has v's head dim
+    finally:
+        dist.destroy_process_group()
