@@ -11,7 +11,13 @@ The placed module is compiled with :func:`shardings.compile.compile_placed` (``-
 plain model (no AutoParallel) on one GPU, one row of ``S`` tokens, eager and compiled: the
 anchor. Each mode reports tokens/s, tokens/s per GPU over the anchor's tokens/s, and MFU =
 model FLOPs (:func:`doc_packed.examples.training_flops`, attention pairs of the real layouts)
-/ (step time x GPUs x ``--peak-tflops``).
+/ (step time x GPUs x ``--peak-tflops``), next to the step-time model's prediction for the
+solved placement (:func:`shardings.step_model.price_placement` on the first batch's layout,
+rates from ``--rates``) and the MFU it implies.
+The solver is told the real topology (``shardings.autoparallel.cost_model_for``: hosts of
+``--gpus-per-host`` GPUs; AutoParallel's own detection falls back to an 87.7 GB/s link model
+on meshes that are not a multiple of 8 GPUs) and prices attention from the measured rates
+(``shardings.costs.pricing`` with the first batch's real cu_seqlens).
 Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
 Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]``.
 """
@@ -108,12 +114,14 @@ def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
     return out
 
 
-def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend):
+def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path):
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
     from shardings.compile import compile_placed
+    from shardings.costs import pricing
+    from shardings.step_model import Layout, Rates, Topology, price_placement
 
     torch._dynamo.reset()  # each mode compiles its own placed module
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +138,13 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     names = mesh.mesh_dim_names
     tok_words, force = MODES[mode](names)
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
-    with device_name_for_cost_model(), dp.planning(doc_len=mean_doc), AutoParallel(model, input_fn, mesh) as autop:
+    rates = Rates.load(rates_path)
+    with (
+        device_name_for_cost_model(),
+        dp.planning(doc_len=mean_doc),
+        pricing(mesh, rates=rates, gpus_per_host=gpus_per_host, cu_seqlens=cu_host),
+        AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, gpus_per_host)) as autop,
+    ):
         if tok_words is not None:
             tok_pl = tuple(pl[w] for w in tok_words)
             cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
@@ -142,6 +156,10 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         placement = lower_context_parallel(autop, placement)
         choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=rank == 0)
         in_pl = solved_input_placements(autop, placement)
+        predicted = price_placement(
+            autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host),
+            layout=Layout.from_cu_seqlens(cu_host),
+        )  # fmt: skip
         parallel = autop.apply_placement(placement)
     plan_s = time.perf_counter() - t0
     parallel.to_empty(device=device)
@@ -193,7 +211,8 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     res = dict(mode=mode, compile=str(choice), step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, warmup_s=first_s,
                flops=step_flops(cfg, batches[warmup:], S), loss=float(loss), attention=layout,
                inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
-               cp=[c.cp for c in choices if c.cp][:1])
+               cp=[c.cp for c in choices if c.cp][:1], predicted_step_s=predicted.total_us * 1e-6,
+               predicted=str(predicted))
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -224,7 +243,7 @@ def worker(rank, world, port, args):
     for mode in args.modes.split(","):
         try:
             r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
-                         args.compile)
+                         args.compile, args.gpus_per_host or world, args.rates)
         except Exception as e:  # report and go on with the next mode
             import traceback
 
@@ -242,19 +261,24 @@ def worker(rank, world, port, args):
                 print(f"one GPU, plain model {kind}: [1, {args.seq}] {anchor[kind + '_step_s']:.3f} s/step, "
                       f"{anchor[kind + '_tokens_per_s']:.0f} tokens/s, MFU {anchor['flops'] / anchor[kind + '_step_s'] / peak:.2f}")
         print("| mode | compile | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | per GPU vs plain eager "
-              "| vs plain compiled | MFU | vs dp |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| vs plain compiled | MFU | predicted step s | predicted MFU | vs dp |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         base = next((r["tokens_per_s"] for r in rows if r.get("mode") == "dp" and "tokens_per_s" in r), None)
         for r in rows:
             if "error" in r:
-                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | | | |")
+                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | | | | | |")
                 continue
             rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
             per_gpu = r["tokens_per_s"] / world
             vs = [f"{per_gpu / anchor[k + '_tokens_per_s']:.2f}" if anchor else "-" for k in ("eager", "compiled")]
             mfu = r["flops"] / r["step_s"] / (world * peak)
+            pmfu = r["flops"] / r["predicted_step_s"] / (world * peak)
             print(f"| {r['mode']} | {r['compile'].split(':')[0]} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
-                  f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {vs[0]} | {vs[1]} | {mfu:.2f} | {rel} |")
+                  f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
+                  f"| {r['predicted_step_s']:.3f} | {pmfu:.2f} | {rel} |")
+        for r in rows:
+            if "predicted" in r:
+                print(f"{r['mode']}: step model {r['predicted']}")
         rows.insert(0, dict(anchor=anchor, world=world, peak_tflops=args.peak_tflops))
         if args.json:
             with open(args.json, "w") as f:
@@ -279,6 +303,8 @@ def main():
     ap.add_argument("--compile", default="auto", help="compile_placed backend: auto, autoparallel, inductor, eager")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")
+    ap.add_argument("--gpus-per-host", type=int, default=None, help="GPUs per host for the cost model (default: all)")
+    ap.add_argument("--rates", default=None, help="rates file of the step model (default shardings/h200_rates.json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()

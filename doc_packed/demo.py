@@ -108,8 +108,14 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.autoparallel import (
+        cost_model_for,
+        describe_attention,
+        force_attention_layout,
+        lower_context_parallel,
+    )
     from shardings.compile import compile_placed
+    from shardings.costs import pricing
 
     B, S = args.batch, args.seq
     cu_host = batches[0][2]
@@ -120,17 +126,23 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     with torch.device("meta"):
         model = Transformer(**MODEL).double()
     # AutoParallel's cost model looks up the device's peak FLOP/s by name; CPUs have none, so it
-    # prices this CPU run as H100s would run it
+    # prices this CPU run as H100s would run it. Its topology detection needs a CUDA device and a
+    # multiple of 8 GPUs: tell it the ranks share one host; attention is priced from the measured
+    # rates of the step model (shardings/h200_rates.json) on the first batch's layout.
     with contextlib.ExitStack() as stack:
         stack.enter_context(patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True))
         stack.enter_context(dp.planning(doc_len=args.mean_doc))
+        stack.enter_context(pricing(mesh, gpus_per_host=mesh.size(), cu_seqlens=cu_host))
         with progress(say, "tracing the model"):
-            autop = stack.enter_context(AutoParallel(model, input_fn, mesh))
+            autop = stack.enter_context(
+                AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, mesh.size()))
+            )
         autop.add_input_constraints([(Shard(1),), (Replicate(),)])
         autop.add_output_constraints([(Shard(1),)])
         if not args.free:
-            # at demo sizes every op costs AutoParallel's 7 us floor, so its free choice is
-            # replicate; pin attention to context parallel and let it place the rest
+            # at demo sizes attention costs about its per-call host time whatever the layout and
+            # the exchange only adds, so the free choice is replicate; pin attention to context
+            # parallel and let it place the rest
             force_attention_layout(autop, {"cp": "sequence"})
         with progress(say, "solving the placement (pulp)"):
             placement = autop.optimize_placement()
@@ -183,7 +195,7 @@ def _break_even(args, mesh, S: int, chosen: list[str]) -> str:
     return (
         f"sequence beats {other} from about {be.seq_len:,} tokens per row ({args.batch} rows, documents of "
         f"~{args.mean_doc} tokens, {mesh.size(0)} ranks): {be.sequence_ms:.3f} ms vs {be.other_ms:.3f} ms "
-        f"per layer forward + backward (our FLOP count and exchange pricing, 7 us floor, H100 peak)"
+        f"per layer forward + backward (the step model's measured rates: shardings/h200_rates.json)"
     )
 
 
@@ -320,7 +332,9 @@ def _free_choice(r: Result) -> list[str]:
     """--free: AutoParallel's estimates, and where the sequence placement would win."""
     lines = []
     if r.placed.considered:
-        lines.append(_row("considered", "AutoParallel's estimates per attention call (one layer, H100 peaks):"))
+        lines.append(
+            _row("considered", "AutoParallel's estimates per attention call (one layer, measured H200 rates):")
+        )
         lines += [_row("", c) for c in r.placed.considered]
     if r.placed.break_even:
         lines.append(_row("sequence would win", r.placed.break_even))

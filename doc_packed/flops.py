@@ -6,19 +6,23 @@ dV, dP, dQ, dK), 2.5x the forward.
 
 ``pairs`` honours causality and windows. With real ``cu_seqlens`` it is exact (one host read
 per distinct tensor, cached). Under fake tensors -- AutoParallel's planning, ``torch.compile``
-tracing -- the values are unknown and every row is assumed to hold documents of the call's
-``planning_doc_len`` tokens (0: one document per row, the upper bound). A sequence-sharded call
-counts ``1/c`` of the row's work, which is what the balanced context-parallel plan gives each
-rank.
+tracing -- the values are unknown and every row is assumed to be the representative row of the
+call's ``planning_doc_len`` (:func:`representative_bounds`: lognormal documents of that mean
+length, as packed data holds them; 0: one document per row, the upper bound). Equal documents
+would undercount: a lognormal row of mean 2048 has 1.8x the pairs of 2048-token documents. A
+sequence-sharded call counts ``1/c`` of the row's work, which is what the balanced
+context-parallel plan gives each rank.
 
-Planning-only costs (the context-parallel exchange and the plan's imbalance) are added by the
-function :mod:`shardings.costs` installs with :func:`set_planning_cost`. It only acts on a
-sequence-shard call that has no group yet -- which only happens while a solver prices
-strategies -- so real runs count real FLOPs.
+While a solver prices strategies, the function :mod:`shardings.costs` installs with
+:func:`set_planning_cost` turns the count of a call on fake ``cu_seqlens`` with no group into
+the solver's price (measured attention rates, the context-parallel exchange and the plan's
+imbalance); it leaves the count alone unless a pricing context is active
+(``shardings.costs.pricing``), so real runs count real FLOPs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -44,11 +48,27 @@ def planned_doc_len(doc_len: int, seq_len: int) -> int:
     return min(doc_len or seq_len, seq_len)
 
 
+@functools.lru_cache(maxsize=256)
+def representative_bounds(seq_len: int, doc_len: int) -> tuple[int, ...]:
+    """Document boundaries of one representative row of ``seq_len`` tokens: lognormal lengths
+    (sigma 1) of mean ``doc_len``, from a fixed seed, so that documents straddle shard
+    boundaries the way real packed data does (equal lengths would align with the shards, hide
+    context parallelism's traffic and undercount the pairs). ``doc_len`` 0 or ``>= seq_len``:
+    one document."""
+    if not doc_len or doc_len >= seq_len:
+        return (0, seq_len)
+    bounds = [0]
+    for n in lognormal_lengths(seq_len, doc_len, seed=seq_len * 1_000_003 + doc_len):
+        bounds.append(bounds[-1] + n)
+    return tuple(bounds)
+
+
+@functools.lru_cache(maxsize=1024)
 def assumed_row_pairs(seq_len: int, causal: bool, left: int, right: int, doc_len: int = 0) -> int:
-    """Pairs in one row of ``seq_len`` tokens of documents of ``doc_len`` tokens (0: one)."""
-    L = planned_doc_len(doc_len, seq_len)
-    full, rem = divmod(seq_len, L)
-    return full * doc_pairs(L, causal, left, right) + doc_pairs(rem, causal, left, right)
+    """Pairs in one representative row of ``seq_len`` tokens with documents of mean ``doc_len``
+    tokens (:func:`representative_bounds`; 0: one document)."""
+    b = representative_bounds(seq_len, planned_doc_len(doc_len, seq_len))
+    return sum(doc_pairs(e - s, causal, left, right) for s, e in zip(b, b[1:]))
 
 
 def _has_values(t: torch.Tensor) -> bool:
@@ -117,8 +137,8 @@ def attention_flops(
     cp = cp_degree(S_local, seq_len)
     if cp > 1:
         flops = -(-flops // cp)
-        if cp_group is None and _planning_cost is not None:
-            flops = _planning_cost(
-                tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops, doc_len, cp_dim
-            )
+    if cp_group is None and _planning_cost is not None and not _has_values(cu_seqlens):
+        flops = _planning_cost(
+            tuple(q.shape), kv_heads, seq_len, causal, left, right, q.dtype, backward, flops, doc_len, cp_dim
+        )
     return int(flops)

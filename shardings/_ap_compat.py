@@ -8,6 +8,7 @@ on (docs/private_apis.md). Nothing is imported from AutoParallel when this modul
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -19,10 +20,12 @@ from doc_packed._compat import PrivateAPIError
 __all__ = [
     "CHECKED_AUTOPARALLEL",
     "chosen_decisions",
-    "collective_cost_us",
-    "device_tflops",
     "installed",
+    "reset_compute_cost_cache",
+    "solution_cost",
+    "solver_flops_per_us",
     "strategy_costs",
+    "topology_config",
 ]
 
 CHECKED_AUTOPARALLEL = "a54c252 (2026-06-29)"
@@ -47,15 +50,54 @@ def _name(module: str, name: str) -> Any:
         ) from err
 
 
-def collective_cost_us(kind: str, nbytes: int, mesh_shape: Sequence[int], mesh_dim: int, topology: Any) -> float:
-    """AutoParallel's estimate (us) of one collective of ``nbytes`` on ``mesh_dim``."""
-    fn = _name("autoparallel.cost_models.collective_runtime_estimation", "collective_comm_cost")
-    return fn(kind, nbytes, tuple(mesh_shape), mesh_dim, topology)
+_COMPUTE = "autoparallel.cost_models.compute_estimation"
+_REFERENCE_MM = 8192  # a square bf16 matmul this size is compute-bound in AutoParallel's model
 
 
-def device_tflops(dtype: torch.dtype) -> float:
-    """The peak TFLOP/s AutoParallel's compute model assumes for ``dtype`` on this device."""
-    return _name("autoparallel.cost_models.compute_estimation", "_get_device_tflops")(dtype)
+def reset_compute_cost_cache() -> None:
+    """Empty AutoParallel's per-(op, shapes) compute-cost cache (no-op without AutoParallel)."""
+    if installed():
+        _name(_COMPUTE, "reset_compute_cost_cache")()
+
+
+@functools.lru_cache(maxsize=16)
+def _solver_rate(dtype: torch.dtype, device_name: str) -> float:
+    fn = _name(_COMPUTE, "estimate_strategy_runtime_cost")
+    n = _REFERENCE_MM
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    for p in (a, b):
+        p.meta["val"] = torch.empty(n, n, dtype=dtype, device="meta")
+    mm = graph.call_function(torch.ops.aten.mm.default, (a, b))
+    us = fn(mm, None)
+    if not us or us <= 0:
+        raise PrivateAPIError(
+            f"AutoParallel's estimate_strategy_runtime_cost priced a {n}^3 matmul at {us!r} us; "
+            f"checked on AutoParallel {CHECKED_AUTOPARALLEL}"
+        )
+    return 2 * n**3 / us
+
+
+def solver_flops_per_us(dtype: torch.dtype) -> float:
+    """How many counted FLOPs AutoParallel's compute model turns into one microsecond for
+    ``dtype`` on this device: measured on a reference matmul through its public
+    ``estimate_strategy_runtime_cost`` (cached per dtype and device name)."""
+    return _solver_rate(dtype, str(torch.get_device_module().get_device_name(None)))
+
+
+def topology_config(num_hosts: int, gpus_per_host: int, **kwargs: Any) -> Any:
+    """AutoParallel's ``NCCLTopoConfig`` for Hopper-class hosts (NVSwitch) of ``gpus_per_host``
+    GPUs, ``num_hosts`` of them: pass it as ``AutoParallel(..., cost_model=...)``. Its own
+    detection returns None on CPU or when the mesh is not a multiple of 8 GPUs and falls back to
+    an 87.7 GB/s link model."""
+    fn = _name("autoparallel.cost_models", "h100_topo_config")
+    return fn(num_nodes=num_hosts, gpus_per_node=gpus_per_host, **kwargs)
+
+
+def solution_cost(optimizer: Any, placement: Any) -> dict[str, float]:
+    """The solver's objective for ``placement`` split into compute, comm and transition (us)."""
+    _check_optimizer(optimizer, ("_compute_solution_cost", "_to_concrete_solution"))
+    return optimizer._compute_solution_cost(optimizer._to_concrete_solution(placement))
 
 
 def _check_optimizer(optimizer: Any, attrs: Sequence[str]) -> None:

@@ -27,7 +27,6 @@ __all__ = [
     "current_mesh",
     "generate_redistribute_costs",
     "install_custom_op_handler",
-    "mesh_topology",
     "op_dispatcher",
     "register_op_strategy",
     "tree_unflatten",
@@ -73,17 +72,13 @@ def install_custom_op_handler(op: Any, handler: Callable) -> None:
 
 
 def current_mesh() -> Any | None:
-    """The DeviceMesh of the innermost ``with mesh:`` (AutoParallel plans inside one), or None."""
+    """The DeviceMesh of the innermost ``with mesh:`` (AutoParallel plans inside one), or None:
+    the mesh :mod:`shardings.costs` prices on when no ``pricing(mesh)`` names it."""
     resources = private("torch.distributed.device_mesh", "_mesh_resources")
     try:
         return resources.get_current_mesh()
     except RuntimeError:  # no mesh entered
         return None
-
-
-def mesh_topology(mesh: Any) -> Any:
-    """DTensor's per-mesh-dim link model (bandwidth, latency) for ``mesh``."""
-    return private("torch.distributed.tensor._collective_utils", "MeshTopoInfo").build_from_mesh(mesh)
 
 
 def unset_fake_temporarily() -> Any:

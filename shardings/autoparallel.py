@@ -3,7 +3,7 @@ and report what the solver chose for every ``doc_packed`` node.
 
 Usage::
 
-    with AutoParallel(model, input_fn, mesh) as autop:
+    with pricing(mesh, gpus_per_host=8), AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, 8)) as autop:
         autop.add_input_constraints(...)
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
@@ -24,9 +24,10 @@ from torch.distributed.tensor.placement_types import Shard
 from doc_packed import flops
 from doc_packed.ops import arg_index
 
-from ._ap_compat import chosen_decisions, device_tflops, strategy_costs
+from ._ap_compat import chosen_decisions, strategy_costs, topology_config
 from ._compat import unset_fake_temporarily
-from .costs import exchange_bytes, representative_plan
+from .costs import Pricing, active_pricing, call_us
+from .step_model import Layout, Rates, exchange_bytes, plan_for
 from .strategies import kind_of
 
 __all__ = [
@@ -38,10 +39,8 @@ __all__ = [
     "attention_time_us",
     "sequence_break_even",
     "BreakEven",
+    "cost_model_for",
 ]
-
-_FLOOR_US = 7.0  # AutoParallel's floor for any op (its kernel launch overhead)
-_EFFICIENCY = 0.7  # the share of peak FLOP/s AutoParallel's compute model assumes
 
 _ROLES = {torch.ops.doc_packed.attn_fwd.default: "forward", torch.ops.doc_packed.attn_bwd.default: "backward"}
 
@@ -86,12 +85,29 @@ def lower_context_parallel(autop, placement):
     return placement
 
 
-def force_attention_layout(autop, layout: dict[str, str]) -> None:
+def cost_model_for(mesh, gpus_per_host: int = 8, **kwargs):
+    """AutoParallel's collective cost model for ``mesh`` on hosts of ``gpus_per_host`` GPUs
+    (Hopper, NVSwitch): pass it as ``AutoParallel(..., cost_model=cost_model_for(mesh, n))``.
+
+    AutoParallel detects the topology itself only on a CUDA device whose mesh is a multiple of
+    8 GPUs; otherwise (CPU planning, 2 or 4 GPUs) it silently falls back to torch's model of an
+    87.7 GB/s link, which priced the tensor-parallel all-gathers and reduce-scatters of a 4 x
+    H200 mesh ~3x too high (docs/scenarios.md). ``kwargs`` go to AutoParallel's
+    ``h100_topo_config`` (e.g. ``bw_inter`` in GB/s per GPU)."""
+    if gpus_per_host < 1:
+        raise ValueError(f"gpus_per_host must be >= 1, got {gpus_per_host}")
+    per_host = min(gpus_per_host, mesh.size())
+    return topology_config(-(-mesh.size() // per_host), per_host, **kwargs)
+
+
+def force_attention_layout(autop, layout: dict[str, str]) -> list[str]:
     """Constrain every ``doc_packed`` node to one kind per mesh dim, e.g.
     ``{"dp": "batch", "cp": "sequence"}`` (unnamed dims: ``"dim0"``...; missing ones replicate).
 
     Call before ``optimize_placement()``: to compare the solver's choice with pure DP or pure
     CP, or to pin a layout the solver would not pick at a size where every op costs its floor.
+    Returns the constraints' names: ``autop.sharding_optimizer.remove_constraints(names)``
+    frees the layout again (then ``.resolve()`` re-solves without re-tracing).
     """
     from .strategies import BWD, FWD, KINDS
 
@@ -104,11 +120,13 @@ def force_attention_layout(autop, layout: dict[str, str]) -> None:
     for k in kinds:
         if k not in KINDS:
             raise ValueError(f"unknown kind {k!r}; expected one of {KINDS}")
+    names_added: list[str] = []
     for node in autop.gm.graph.nodes:
         if node.op == "call_function" and node.target in _ROLES:
             table = FWD if _ROLES[node.target] == "forward" else BWD
             placement = tuple(table[k][0][0] for k in kinds)
-            autop.sharding_optimizer.add_node_constraint(node, placement)
+            names_added += autop.sharding_optimizer.add_node_constraint(node, placement) or []
+    return names_added
 
 
 def _words(layout: dict[str, str]) -> str:
@@ -238,16 +256,18 @@ def describe_attention(
                     )
                 rows_per_plan = 1
             else:
-                doc_len = flops.planned_doc_len(_arg(node, "planning_doc_len"), S)
-                plan = representative_plan(S, doc_len, cp, causal, left, right, Hq / Hkv)
-                rows_per_plan = rows
+                p = active_pricing()
+                layout = p.layout if p is not None and p.layout is not None else None
+                layout = layout or Layout(flops.planned_doc_len(_arg(node, "planning_doc_len"), S))
+                plan, planned_rows = plan_for(layout, S, cp, causal, left, right, Hq / Hkv)
+                rows_per_plan = rows / planned_rows
             nbytes = sum(exchange_bytes(plan, rows_per_plan, Hq, Hkv, D, q_meta.dtype.itemsize, role == "backward"))
             cp_info = dict(
                 cp=cp,
                 imbalance=plan.imbalance,
-                kv_recv_tokens=max(plan.kv_recv_tokens) * rows_per_plan,
-                all_gather_tokens=(plan.batch * S - plan.batch * S // cp) * rows_per_plan,
-                q_moved_tokens=max(plan.q_moved_tokens) * rows_per_plan,
+                kv_recv_tokens=round(max(plan.kv_recv_tokens) * rows_per_plan),
+                all_gather_tokens=round((plan.batch * S - plan.batch * S // cp) * rows_per_plan),
+                q_moved_tokens=round(max(plan.q_moved_tokens) * rows_per_plan),
                 exchange_MB=nbytes / 2**20,
                 planned_from="cu_seqlens" if cu_seqlens is not None else "planning assumption",
             )
@@ -290,12 +310,11 @@ def attention_time_us(
     backward: bool = False,
 ) -> float:
     """One attention call's time (us) with ``kind`` on mesh dim ``dim`` (the other dims
-    replicate), priced as AutoParallel prices it: our FLOP count (:func:`doc_packed.flops.attention_flops`,
-    rows of ``doc_len``-token documents; for ``"sequence"`` the plan's imbalance and the exchange
-    on that dim's links added, :mod:`shardings.costs`) at 70% of the device's peak, floor 7 us.
-    The memory-bound term of AutoParallel's model is left out (it matters only below the floor).
-    Call it where AutoParallel's cost model can name the device (on CPU: under the same
-    device-name patch as planning)."""
+    replicate), as the solver is told it (:func:`shardings.costs.call_us`): the backend's
+    measured rate for rows of ``doc_len``-token lognormal documents, the host cost per call,
+    and for ``"sequence"`` the plan's imbalance and the exchange on that dim's links. Priced
+    under the active :func:`shardings.costs.pricing` (its rates, hosts and layout), else the
+    default rates on 8-GPU hosts."""
     m = mesh.size(dim)
     shape = [rows, seq_len, q_heads, head_dim]
     kv = kv_heads
@@ -307,15 +326,16 @@ def attention_time_us(
         shape[1] = -(-seq_len // m)
     elif kind != "replicate":
         raise ValueError(f"kind must be 'replicate', 'batch', 'heads' or 'sequence', got {kind!r}")
-    q = torch.empty(shape, dtype=dtype, device="meta")
-    cu = torch.empty(shape[0], 2, dtype=torch.int32, device="meta")
+    p = active_pricing()
+    if p is None or p.mesh is not mesh:
+        p = Pricing(mesh, p.rates if p is not None else Rates.load())
     names = mesh.mesh_dim_names
     left, right = window_size
-    with mesh:  # the mesh shardings.costs prices the exchange on
-        count = flops.attention_flops(
-            q, kv, cu, seq_len, causal, left, right, None, backward, doc_len, names[dim] if names else None
-        )
-    return max(count / (device_tflops(dtype) * 1e12 * _EFFICIENCY) * 1e6, _FLOOR_US)
+    right = 0 if causal else right
+    cost = call_us(
+        p, tuple(shape), kv, seq_len, causal, left, right, dtype, backward, doc_len, names[dim] if names else None
+    )
+    return cost.total
 
 
 @dataclass(frozen=True)

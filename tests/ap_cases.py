@@ -55,7 +55,8 @@ def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, ste
     from autoparallel.api import AutoParallel
 
     from ap_compat import device_name_for_cost_model
-    from shardings.autoparallel import describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.costs import pricing
 
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     tok_pl = tuple(pl[c] for c in in_pl)
@@ -71,8 +72,11 @@ def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, ste
 
     with torch.device("meta"):
         model = Transformer(**cfg).double()
-    with device_name_for_cost_model(), dp.planning(doc_len=doc_len_hint):
-        with AutoParallel(model, input_fn, mesh) as autop:
+    # one host: AutoParallel is told the topology (its detection needs CUDA and 8 GPUs)
+    with device_name_for_cost_model(), dp.planning(doc_len=doc_len_hint), pricing(
+        mesh, gpus_per_host=mesh.size(), cu_seqlens=batches[0][2]
+    ):
+        with AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, mesh.size())) as autop:
             autop.add_input_constraints([tok_pl, cu_pl])
             autop.add_output_constraints([o_pl])
             if force:
