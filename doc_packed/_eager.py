@@ -59,21 +59,24 @@ def _grad_args(ctx, dout, dlse) -> tuple:
     return ctx.saved_tensors, ctx.args, dout, dlse, ops.forward_impl, ops.backward_impl
 
 
-def attention(q, k, v, cu_seqlens, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    """``doc_packed::attn_fwd(q, k, v, cu_seqlens, *args)`` with autograd: ``(out, lse)``."""
+def attention(q, k, v, cu_seqlens, *args, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``doc_packed::attn_fwd(q, k, v, cu_seqlens, *args)`` with autograd: ``(out, lse)``.
+    ``need_lse=False``: the caller drops lse, which may then be None (no graph, FA4)."""
     # a plain call passes 9 arguments after cu_seqlens; variants add (softcap, sinks, prefix_lens)
     if not takes_eager_path(q, k, v, cu_seqlens, *(a for a in args[10:] if a is not None)):
         return torch.ops.doc_packed.attn_fwd(q, k, v, cu_seqlens, *args)
     if _compat.profiler_enabled():  # traces name the call as they name the op
         with torch.profiler.record_function("doc_packed::attn_fwd"):
-            return _run(q, k, v, cu_seqlens, args)
-    return _run(q, k, v, cu_seqlens, args)
+            return _run(q, k, v, cu_seqlens, args, need_lse)
+    return _run(q, k, v, cu_seqlens, args, need_lse)
 
 
-def _run(q, k, v, cu_seqlens, args):
+def _run(q, k, v, cu_seqlens, args, need_lse):
     sinks = args[10] if len(args) > 10 else None
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):
         return _Attention.apply(q, k, v, cu_seqlens, *args)
-    return ops.forward_impl(q, k, v, cu_seqlens, *args)
+    if need_lse:
+        return ops.forward_impl(q, k, v, cu_seqlens, *args)
+    return ops.forward_out(q, k, v, cu_seqlens, *args), None

@@ -319,7 +319,21 @@ def attention(
         elif return_max_logits and is_dtensor(q):
             raise NotImplementedError("return_max_logits with DTensor inputs is not supported yet")
     out, lse = _eager.attention(
-        q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim, *variant
+        q,
+        k,
+        v,
+        cu_seqlens,
+        seq_len,
+        causal,
+        left,
+        right,
+        scale,
+        backend,
+        group_name,
+        doc_len,
+        cp_dim,
+        *variant,
+        need_lse=return_lse,
     )
     result = (out, lse) if return_lse else (out,)
     if return_max_logits:

@@ -137,7 +137,20 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, 1)  # a view where the strides allow ([B, S] mergeable), else one copy
 
 
-def forward_impl(
+def forward_impl(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``attn_fwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
+    out, lse = _forward(*args)
+    assert lse is not None
+    return out, lse
+
+
+def forward_out(*args) -> torch.Tensor:
+    """:func:`forward_impl`'s output alone, for eager calls that keep neither lse nor a graph: a
+    backend that can skip writing lse does (FA4)."""
+    return _forward(*args, need_lse=False)[0]
+
+
+def _forward(
     q,
     k,
     v,
@@ -154,8 +167,9 @@ def forward_impl(
     softcap=0.0,
     sinks=None,
     prefix_lens=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``attn_fwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
+    *,
+    need_lse=True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     # planning_doc_len, planning_cp_dim: for cost estimates only (see the schema)
     if cp_group is not None:
         from .cp import attention as cp_attention
@@ -171,10 +185,11 @@ def forward_impl(
         if S != seq_len:
             _check_local(q, seq_len)
         spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
-        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap, sinks)
+        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap, sinks, need_lse)
         # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
         out = out.view(B, S, Hq, v.shape[-1]).contiguous()
-        lse = (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
+        if lse is not None:
+            lse = (lse.view(Hq, B, S).transpose(0, 1) if B > 1 else lse[None]).contiguous()
     return out, lse
 
 

@@ -182,16 +182,23 @@ def _args(spec: VarlenSpec, q: Tensor, scale: float) -> dict:
 
 
 def forward(
-    spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float = 0.0, sinks: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+    spec: VarlenSpec,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
+    need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """``(out [T_q, H_q, D_v], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf
     (with ``sinks``, FA4's ``learnable_sink``: lse includes the sink, a row that sees nothing has
-    lse = sink)."""
+    lse = sink). ``need_lse=False``: lse is not written and None is returned."""
     fwd, _ = _interface()
     extra: dict = {"softcap": softcap} if softcap else {}
     if sinks is not None:
         extra["learnable_sink"] = sinks.float()
-    out, lse, *_ = fwd(q, k, v, return_lse=True, **_args(spec, q, scale), **extra)
+    out, lse, *_ = fwd(q, k, v, return_lse=need_lse, **_args(spec, q, scale), **extra)
     return out, lse
 
 
