@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -74,27 +75,80 @@ def _measure(lens: list[list[int]], S: int, c: int) -> dict:
     }
 
 
-def forced_kv(lengths: list[int], S: int, c: int, slack: float = 0.01) -> int:
-    """K/V tokens some rank receives in ANY packing of these documents that moves no query and
-    keeps every rank within ``1 + slack`` of the mean: a document's last piece (on one shard,
-    the rest of the document are keys that rank receives) can neither exceed a shard nor carry
-    more than ``(1 + slack) * total / c`` pairs."""
+def _least_fill(lengths: list[int], rows: int, pad: int):
+    """x -> the fewest pairs that x tokens of one rank's column can carry besides a given
+    document, relaxed: whole documents taken fractionally at their density (n + 1) / 2, the
+    head of any document (its first t tokens: t (t + 1) / 2 pairs; at most one per row, at a
+    cell's end) and padding for free. A lower bound on what really fills them."""
+    n = np.asarray(lengths, dtype=np.float64)
+    top = int(n.max()) if n.size else 0
+    j = np.arange(1, (top + 1) // 2 + 2, dtype=np.float64)  # head tokens: the j-th costs j pairs
+    slope = np.concatenate([[0.0], (n + 1) / 2, j])
+    count = np.concatenate([[pad], n, np.full(j.size, rows, dtype=np.float64)])
+    o = np.argsort(slope, kind="stable")
+    toks = np.concatenate([[0.0], np.cumsum(count[o])])
+    work = np.concatenate([[0.0], np.cumsum(count[o] * slope[o])])
+    return lambda x: np.interp(x, toks, work)
+
+
+def forced_kv(lengths: list[int], S: int, c: int, rows: int = 1, slack: float = 0.01) -> float:
+    """K/V tokens some rank receives in ANY packing of these documents into ``rows`` rows that
+    moves no query (every rank within ``1 + slack`` of the mean pairs, the planner's tolerance);
+    ``inf`` if no such packing exists. A document that ends ``y`` tokens into a shard is cut into
+    its tail (y tokens: that rank receives the other ``n - y`` as keys, none when the document
+    is whole there), whole shards before it and a head; each piece shares its rank's ``rows``
+    cells with at least :func:`_least_fill` of the remaining tokens, and must stay under the
+    cap. The largest y that keeps every piece under it gives the document's bound, the largest
+    over documents the packing's. Without the fill this is "too long or too heavy for one
+    shard"; the fill makes it see a document that fits a rank's share of pairs but not next to
+    a shard's worth of others, and one whose two pieces cannot both fit."""
     cs = chunk_len(S, c)
-    cap = (1 + slack) * sum(prefix_pairs(n, n, True, -1, 0) for n in lengths) / c
-    out = 0
-    for n in set(lengths):
+    total = sum(prefix_pairs(n, n, True, -1, 0) for n in lengths)
+    cap = (1 + slack) * total / c
+    fill = _least_fill(lengths, rows, rows * S - sum(lengths))
+    X = rows * cs
+
+    def pairs(k: np.ndarray) -> np.ndarray:  # the first k queries of a document (causal)
+        return k * (k + 1) // 2
+
+    out: float = 0
+    for n in sorted(set(lengths), reverse=True):
         if n <= out:
-            continue
-        full = prefix_pairs(n, n, True, -1, 0)
-        lo, hi = 1, min(n, cs)  # largest y with pairs of the last y queries <= cap
-        while lo < hi:
-            m = (lo + hi + 1) // 2
-            if full - prefix_pairs(n - m, n, True, -1, 0) <= cap:
-                lo = m
-            else:
-                hi = m - 1
-        out = max(out, n - lo)
+            break
+        y = np.arange(1, min(n, cs) + 1, dtype=np.int64)
+        rest = n - y
+        head = rest % cs
+        ok = pairs(np.int64(n)) - pairs(rest) + fill(X - y) <= cap  # the tail
+        ok &= (rest < cs) | (pairs(rest) - pairs(rest - cs) + fill(X - cs) <= cap)  # the heaviest whole shard
+        ok &= (head == 0) | (pairs(head) + fill(X - head) <= cap)  # the head
+        if ok[-1] and y[-1] == n:
+            continue  # whole on one shard: no keys forced
+        out = max(out, n - int(y[ok].max()) if ok.any() else math.inf)
     return out
+
+
+def exact_two_kv(lengths: list[int], S: int, slack: float = 0.01) -> int | None:
+    """The least K/V of one full row over 2 ranks that moves no query, by trying every split
+    (a subset of the documents on rank 0, plus the head of one more that straddles): the exact
+    optimum, for rows of at most 16 documents; None where it does not apply."""
+    m = len(lengths)
+    if m > 16 or sum(lengths) != S:
+        return None
+    half = chunk_len(S, 2)
+    n = np.asarray(lengths, dtype=np.int64)
+    bits = (np.arange(1 << m)[:, None] >> np.arange(m)) & 1
+    toks, work = bits @ n, bits @ (n * (n + 1) // 2)
+    total = int((n * (n + 1) // 2).sum())
+    best = None
+    for d in range(m):  # d straddles with head p = half - toks (none when p == 0)
+        p = half - toks
+        ok = (bits[:, d] == 0) & (p >= 0) & (p < n[d])
+        w0 = work + p * (p + 1) // 2
+        ok &= np.maximum(w0, total - w0) <= (1 + slack) * total / 2
+        if ok.any():
+            kv = int(p[ok].min())
+            best = kv if best is None else min(best, kv)
+    return best
 
 
 def point(dist: str, S: int, B: int, c: int) -> dict:
@@ -111,9 +165,13 @@ def point(dist: str, S: int, B: int, c: int) -> dict:
     p["pad"] = order.padded / (len(order.rows) * S)
     cs = chunk_len(S, c)
     mean = MEANS.get(dist, statistics.fmean(lengths))
+    lb = forced_kv(lengths, S, c, B)
+    exact = exact_two_kv(lengths, S) if (B, c) == (1, 2) else None
+    if exact is not None:
+        lb = max(lb, exact)  # the exact optimum (a shard of few documents: found by trying all)
     return {
         "dist": dist, "S": S, "B": B, "c": c, "docs": len(lengths), "per_shard": cs / mean,
-        "lb": forced_kv(lengths, S, c), "greedy": g, "cp": p, "pack_ms": t_pack * 1e3,
+        "lb": lb, "greedy": g, "cp": p, "pack_ms": t_pack * 1e3,
     }
 
 
@@ -131,8 +189,8 @@ def grid_table(res: list[dict]) -> str:
     rows = []
     for r in res:
         g, p = r["greedy"], r["cp"]
-        lb = r["lb"]
-        near = f"{p['kv'] / lb:.2f}x" if lb else "-"
+        lb = r["lb"] if math.isfinite(r["lb"]) else "queries must move"
+        near = f"{p['kv'] / lb:.2f}x" if isinstance(lb, int) and lb else "-"
         rows.append([
             r["dist"], token_label(r["S"]), r["B"], r["c"], f"{r['per_shard']:.1f}",
             g["q"], p["q"], g["kv"], p["kv"], f"{100 * g['kv_ag']:.2f}%", f"{100 * p['kv_ag']:.2f}%",

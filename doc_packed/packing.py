@@ -34,10 +34,11 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ._checks import check_count, check_length, check_window
-from ._mask import doc_pairs, prefix_pairs
+from ._mask import prefix_pairs
 from .cp.plan import owner_ranges
 
 __all__ = ["PAD", "PackOrder", "Packed", "pack_order", "pack_documents", "pack_stream"]
@@ -50,6 +51,8 @@ _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
 _SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
 _RESERVE_PER_ROW = 12  # shortest documents held back per row to close cells exactly
+_EXACT_DOCS = 16  # one row over 2 ranks with at most this many documents: every split is tried
+_EXACT_IMBALANCE = 1.009  # ... and balanced means below the runtime planner's 1% tolerance
 PAD = -1  # the document index of padding segments and padding positions
 
 
@@ -139,6 +142,43 @@ def _first_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
 
 
 # ---- CP-aware ---------------------------------------------------------------------------------
+def _ramp_np(n: np.ndarray, a: np.ndarray | int) -> np.ndarray:
+    m = n - 1 - a
+    return np.where(m > 0, m * (m + 1) // 2, 0)
+
+
+def _prefix_pairs_np(n: np.ndarray, length: np.ndarray, causal: bool, left: int, right: int) -> np.ndarray:
+    """:func:`doc_packed._mask.prefix_pairs` of int64 arrays, elementwise (the same integers)."""
+    n = np.maximum(n, 0)
+    sum_lo = 0 if left < 0 else _ramp_np(n, left)
+    if causal:
+        sum_hi = n * (n - 1) // 2
+    elif right < 0:
+        sum_hi = n * (length - 1)
+    else:
+        a = np.maximum(length - 1 - right, 0)
+        sum_hi = np.where(right >= length - 1, n * (length - 1), n * (n - 1) // 2 + n * right - _ramp_np(n, a))
+    return np.where(n > 0, sum_hi - sum_lo + n, 0)
+
+
+class _Docs:
+    """What every packing pass over one list of lengths shares: each document's work and the
+    least-work fill curve (the shortest documents first, cumulative)."""
+
+    def __init__(self, lengths: list[int], causal: bool, left: int, right: int):
+        self.L = lengths
+        arr = np.asarray(lengths, dtype=np.int64)
+        self.work = _prefix_pairs_np(arr, arr, causal, left, right).tolist()
+        live = np.flatnonzero(arr > 0)
+        self.live = live.tolist()
+        by_len = live[np.argsort(arr[live], kind="stable")]  # (length, index) order
+        self.fill_toks = np.concatenate([[0], np.cumsum(arr[by_len])])
+        self.fill_work = np.concatenate([[0], np.cumsum(np.asarray(self.work, dtype=np.int64)[by_len])])
+        self.fill_toks_l: list[int] = self.fill_toks.tolist()
+        self.fill_work_l: list[int] = self.fill_work.tolist()
+        self.tokens = int(self.fill_toks[-1])
+
+
 class _Packer:
     """One batch of ``n_rows`` rows balanced over ``c`` columns (see the module docstring)."""
 
@@ -152,26 +192,27 @@ class _Packer:
         right: int,
         n_rows: int,
         shift: Sequence[float] | None = None,
+        docs: _Docs | None = None,
     ):
+        docs = docs or _Docs(lengths, causal, left, right)
+        self.docs = docs
         self.L, self.S, self.c, self.R = lengths, seq_len, c, n_rows
         self.mask = (causal, left, right)
-        own = owner_ranges(seq_len, c)
-        self.lo = [a for a, _ in own]
-        self.hi = [e for _, e in own]
-        self.cap = [e - a for a, e in own]
+        step = -(-seq_len // c)  # owner_ranges(seq_len, c): torch.chunk's shards
+        self.lo = [min(r * step, seq_len) for r in range(c)]
+        self.hi = [min((r + 1) * step, seq_len) for r in range(c)]
+        self.cap = [e - a for a, e in zip(self.lo, self.hi)]
         self.cs = max(self.cap)
-        self.work = [doc_pairs(n, causal, left, right) for n in lengths]
-        live = [i for i, n in enumerate(lengths) if n > 0]
+        self.work = docs.work
         # more documents than room (a streaming batch): the shortest are the ones left out
-        excess, kept = sum(lengths[i] for i in live) - n_rows * seq_len, sum(self.work[i] for i in live)
-        for i in sorted(live, key=lambda i: (lengths[i], i)):
-            if excess <= 0:
-                break
-            excess -= lengths[i]
-            kept -= self.work[i]
+        excess = docs.tokens - n_rows * seq_len
+        k = bisect_left(docs.fill_toks_l, excess) if excess > 0 else 0
+        kept = docs.fill_work_l[-1] - docs.fill_work_l[k]
         self.target = kept / c
         # per-column targets: the mean, less what a previous pass ended above it
         self.tg = [self.target - (shift[r] if shift else 0.0) for r in range(c)]
+        self._tg_np = np.asarray(self.tg)
+        self._keys: np.ndarray | None = None  # _end_keys of every column while heavy documents are placed
         # free interval of every cell, [fs, fe), and the documents assigned to it
         self.fs = [list(self.lo) for _ in range(n_rows)]
         self.fe = [list(self.hi) for _ in range(n_rows)]
@@ -181,11 +222,8 @@ class _Packer:
         self.colw = [0.0] * c
         self.left_over: list[tuple[int, int]] = []  # sorted (length, doc)
         # the least work that fills x tokens: the shortest documents (cumulative, for _fill)
-        self._fill_toks, self._fill_work = [0], [0]
-        for i in sorted(live, key=lambda i: (lengths[i], i)):
-            self._fill_toks.append(self._fill_toks[-1] + lengths[i])
-            self._fill_work.append(self._fill_work[-1] + self.work[i])
-        self.slack = max(0, n_rows * seq_len - sum(lengths[i] for i in live))
+        self._fill_toks, self._fill_work = docs.fill_toks_l, docs.fill_work_l
+        self.slack = max(0, n_rows * seq_len - docs.tokens)
         self.colfree = [n_rows * self.cap[r] for r in range(c)]
 
     def _fill(self, x: int) -> float:
@@ -195,7 +233,15 @@ class _Packer:
             return float(self._fill_work[-1])
         t0, w0 = self._fill_toks[j - 1], self._fill_work[j - 1]
         n = self._fill_toks[j] - t0
-        return w0 + (self._fill_work[j] - w0) * (x - t0) / n
+        return w0 + float((self._fill_work[j] - w0) * (x - t0)) / n  # rounds as _fill_np does
+
+    def _fill_np(self, x: np.ndarray) -> np.ndarray:
+        """:meth:`_fill` of an int64 array."""
+        toks, work = self.docs.fill_toks, self.docs.fill_work
+        j = np.minimum(np.searchsorted(toks, x, side="right"), len(toks) - 1)
+        t0, w0 = toks[j - 1], work[j - 1]
+        part = w0 + (work[j] - w0) * (x - t0) / np.maximum(toks[j] - t0, 1)
+        return np.where(x >= toks[-1], work[-1].astype(np.float64), part)
 
     # -- work ---------------------------------------------------------------------------------
     def _piece(self, n: int, a: int, e: int) -> int:
@@ -228,21 +274,28 @@ class _Packer:
             self.colfree[r] -= take
             left -= take
 
-    def _heavy(self, i: int) -> bool:
-        n = self.L[i]
-        return n > self.cs or self.work[i] + self._fill(self.R * self.cs - n) > self.target
+    def _heavy_all(self) -> list[bool]:
+        """Per document: longer than a shard less the slack :meth:`_assign` keeps (so it would not
+        fit a cell there), or more work than a column can take next to the least work that
+        fills the rest of its tokens."""
+        n = np.asarray(self.L, dtype=np.int64)
+        fill = self._fill_np(np.maximum(self.R * self.cs - n, 0))
+        longest = self.cs - self.cs // _SLACK
+        return ((n > longest) | (np.asarray(self.work, dtype=np.int64) + fill > self.target)).tolist()
 
     def _place_heavy(self, i: int) -> bool:
         n = self.L[i]
         # end columns to try: the least loaded ones (the last piece is the heaviest)
-        keys = [self.colw[r] + self._fill(self.colfree[r]) - self.tg[r] for r in range(self.c)]
+        if self._keys is None:
+            self._keys = self._end_keys(range(self.c))
         best = None
-        for k in heapq.nsmallest(self.tries, range(self.c), key=keys.__getitem__):
+        for k in np.argsort(self._keys, kind="stable")[: self.tries].tolist():
             tried = 0
+            memo: dict = {}  # rows in the same state (y range) score the same: computed once
             for b in range(self.R):
                 if self.fs[b][k] != self.lo[k] or self.fe[b][k] <= self.lo[k]:
                     continue
-                cand = self._best_end(b, k, n)
+                cand = self._best_end(b, k, n, memo)
                 if cand is None:
                     continue
                 tried += 1
@@ -268,10 +321,22 @@ class _Packer:
         for r, a, e in pieces:
             self.colw[r] += self._piece(n, a, e)
             self.colfree[r] -= e - a
+        for r, _, _ in pieces:
+            self._keys[r] = self.colw[r] + self._fill(self.colfree[r]) - self.tg[r]
         return True
 
-    def _best_end(self, b: int, k: int, n: int):
-        """Best placement of ``n`` tokens ending in cell (b, k): (score, b, start) or None."""
+    def _end_keys(self, cols) -> np.ndarray:
+        """How far each column of ``cols`` ends above its target if the rest of its tokens get
+        the least work there is (heavy documents end in the lowest first)."""
+        cols = list(cols)
+        w = np.array([self.colw[r] for r in cols], dtype=np.float64)
+        free = np.array([self.colfree[r] for r in cols], dtype=np.int64)
+        return w + self._fill_np(free) - self._tg_np[cols]
+
+    def _best_end(self, b: int, k: int, n: int, memo: dict):
+        """Best placement of ``n`` tokens ending in cell (b, k): (score, b, start) or None.
+        The score depends on the row only through the range of last-piece lengths it allows:
+        ``memo`` (one per end column and document) keeps the scores and the fits tried."""
         lo, fe = self.lo[k], self.fe[b][k]
         y_max = min(fe - lo - self.used[b][k], n)  # the cell's documents still fit after it
         # leftmost start allowed: walk back over cells that are free and empty
@@ -287,28 +352,48 @@ class _Packer:
         y_min = max(1, s_min + n - lo)
         if y_min > y_max:
             return None
+        got = memo.get((y_min, y_max))
+        if got is not None:
+            return got[0], b, lo + got[1] - n
+
+        cw, cf, t, fill = self.colw[k], self.colfree[k], max(self.tg[k], 1.0), self._fill
+        causal, left, right = self.mask
+        whole = prefix_pairs(n, n, causal, left, right)
 
         def over(y: int) -> tuple[float, float]:
             """(last piece's column over its target, worst other column over its target)."""
             s = lo + y - n
             last, other = 0.0, 0.0
-            for r, a, e in self._pieces(n, s):
-                room = self.colfree[r] - (e - a)
-                v = (self.colw[r] + self._piece(n, a, e) + self._fill(room)) / max(self.tg[r], 1.0) - 1
-                if r == k:
-                    last = v
-                else:
-                    other = max(other, v)
+            colw, colfree, tg, lo_, hi_ = self.colw, self.colfree, self.tg, self.lo, self.hi
+            r = min(s // self.cs, self.c - 1)  # the pieces, as _pieces(n, s)
+            e = s + n
+            prev = prefix_pairs(max(s, lo_[r]) - s, n, causal, left, right)
+            while r < self.c and lo_[r] < e:
+                a, z = max(s, lo_[r]), min(e, hi_[r])
+                if z > a:
+                    nxt = prefix_pairs(z - s, n, causal, left, right)
+                    v = (colw[r] + (nxt - prev) + fill(colfree[r] - (z - a))) / max(tg[r], 1.0) - 1
+                    prev = nxt
+                    if r == k:
+                        last = v
+                    else:
+                        other = max(other, v)
+                r += 1
             return last, other
 
         def last_over(y: int) -> float:
-            room = self.colfree[k] - y
-            return (self.colw[k] + self._piece(n, n - y, n) + self._fill(room)) / max(self.tg[k], 1.0) - 1
+            v = memo.get(y)
+            if v is None:
+                piece = whole - prefix_pairs(n - y, n, causal, left, right)  # = self._piece(n, n - y, n)
+                v = memo[y] = (cw + piece + fill(cf - y)) / t - 1
+            return v
 
         # largest y whose last piece fits (monotone for causal masks)
         a, z = y_min, y_max
         if last_over(a) > 0:
             y = a  # even the smallest last piece overflows
+        elif causal and left < 0 and last_over(z) <= 0:
+            y = z  # the largest fits (the usual case): no search
         else:
             while a < z:
                 m = (a + z + 1) // 2
@@ -322,63 +407,72 @@ class _Packer:
         kv = 0 if y == n else n - y
         feasible = worst <= 1e-9
         score = (0 if feasible else 1, kv if feasible else worst, kv)
+        memo[y_min, y_max] = (score, y)
         return score, b, lo + y - n
 
     # -- 2. the rest ------------------------------------------------------------------------------
     def _assign(self, docs: list[int]) -> None:
         """Longest first, each to the column that most needs dense work (largest
         ``(target - load) / free tokens``), in its cell with the most room."""
+        R = self.R
+        # room[r][b]: free tokens of cell (b, r), less the slack (column-major: one list per column)
         room = [
-            [max(0, self.fe[b][r] - self.fs[b][r] - self.used[b][r] - self.cap[r] // _SLACK) for r in range(self.c)]
-            for b in range(self.R)
+            [max(0, self.fe[b][r] - self.fs[b][r] - self.used[b][r] - self.cap[r] // _SLACK) for b in range(R)]
+            for r in range(self.c)
         ]
-        colroom = [sum(room[b][r] for b in range(self.R)) for r in range(self.c)]
-        colmax = [max(room[b][r] for b in range(self.R)) for r in range(self.c)]
+        colroom = [sum(x) for x in room]
+        colmax = [max(x) for x in room]
+        tg, colw, L, work, cell, used = self.tg, self.colw, self.L, self.work, self.cell, self.used
+        colfree = self.colfree
+        push, pop = heapq.heappush, heapq.heappop
 
-        def key(r: int) -> float:
-            return -(self.tg[r] - self.colw[r]) / colroom[r]
-
-        heap = [(key(r), r) for r in range(self.c) if colroom[r] > 0]
+        heap = [(-(tg[r] - colw[r]) / colroom[r], r) for r in range(self.c) if colroom[r] > 0]
         heapq.heapify(heap)
         parked: list[tuple[float, int]] = []  # (-largest cell room, column): too full for now
         for i in docs:  # lengths do not increase, so a parked column's turn comes back by size
-            n = self.L[i]
+            n = L[i]
             while parked and -parked[0][0] >= n:
-                _, r = heapq.heappop(parked)
-                heapq.heappush(heap, (key(r), r))
+                _, r = pop(parked)
+                push(heap, (-(tg[r] - colw[r]) / colroom[r], r))
             while heap and colmax[heap[0][1]] < n:
-                _, r = heapq.heappop(heap)
-                heapq.heappush(parked, (-colmax[r], r))
+                _, r = pop(heap)
+                push(parked, (-colmax[r], r))
             if not heap:
                 insort(self.left_over, (n, i))
                 continue
-            _, r = heapq.heappop(heap)
-            b = max(range(self.R), key=lambda x: (room[x][r], -x))
-            self.cell[b][r].append(i)
-            self.used[b][r] += n
-            room[b][r] -= n
+            r = heap[0][1]  # popped below (replaced, when it goes back in)
+            rr = room[r]
+            b = rr.index(colmax[r]) if R > 1 else 0  # the cell with the most room, first row on ties
+            cell[b][r].append(i)
+            used[b][r] += n
+            rr[b] -= n
             colroom[r] -= n
-            colmax[r] = max(room[x][r] for x in range(self.R))
-            self.colfree[r] -= n
-            self.colw[r] += self.work[i]
-            if colroom[r] > 0:
-                if colmax[r] >= n:
-                    heapq.heappush(heap, (key(r), r))
-                else:
-                    heapq.heappush(parked, (-colmax[r], r))
+            colmax[r] = max(rr) if R > 1 else rr[0]
+            colfree[r] -= n
+            colw[r] += work[i]
+            if colroom[r] > 0 and colmax[r] >= n:
+                heapq.heapreplace(heap, (-(tg[r] - colw[r]) / colroom[r], r))
+            else:
+                pop(heap)
+                if colroom[r] > 0:
+                    push(parked, (-colmax[r], r))
 
     def _rebalance(self) -> None:
         """Swap documents between the heaviest and the lightest column while that lowers the
         heavier of the two; loads are projected with the gaps filled at the density of the
-        documents still unplaced (what closes them)."""
+        documents still unplaced (what closes them). Each round takes the move (one document
+        alone, or one for one with a neighbour in net work) whose net work is nearest half the
+        gap; on ties the first in (row, cell order) of the heavy column, alone before a swap."""
         toks = sum(n for n, _ in self.left_over)
         rho = sum(self.work[i] for _, i in self.left_over) / toks if toks else 0.0
-        room = [[self.fe[b][r] - self.fs[b][r] - self.used[b][r] for r in range(self.c)] for b in range(self.R)]
-        proj = [self.colw[r] + rho * sum(room[b][r] for b in range(self.R)) for r in range(self.c)]
-        net = [self.work[i] - rho * self.L[i] for i in range(len(self.L))]
-        where: dict[int, tuple[int, int]] = {
-            i: (b, r) for b in range(self.R) for r in range(self.c) for i in self.cell[b][r]
-        }
+        room = np.array(
+            [[self.fe[b][r] - self.fs[b][r] - self.used[b][r] for r in range(self.c)] for b in range(self.R)],
+            dtype=np.int64,
+        )
+        proj = [w + rho * x for w, x in zip(self.colw, room.sum(axis=0).tolist())]
+        L = np.asarray(self.L, dtype=np.int64)
+        net = np.asarray(self.work, dtype=np.int64) - rho * L
+        off = np.arange(-2, 2)
         for _ in range(8 * self.c):
             over = [proj[r] - self.tg[r] for r in range(self.c)]
             h = max(range(self.c), key=lambda r: (over[r], -r))
@@ -387,53 +481,59 @@ class _Packer:
             if gap <= 1e-3 * self.target:
                 return
             want = gap / 2
-            mine = [i for b in range(self.R) for i in self.cell[b][h]]
-            theirs = sorted(((net[j], j) for b in range(self.R) for j in self.cell[b][lo]))
-            keys = [g for g, _ in theirs]
-            best: tuple[int, int | None, int] | None = None
-            best_err = gap  # |moved - want| must beat doing nothing
-            for i in mine:
-                bi = where[i][0]
-                # move i alone
-                if abs(net[i] - want) < best_err and 0 < net[i] < gap:
-                    b2 = max(range(self.R), key=lambda x: (room[x][lo], -x))
-                    if room[b2][lo] >= self.L[i]:
-                        best, best_err = (i, None, b2), abs(net[i] - want)
-                j0 = bisect_left(keys, net[i] - want)
-                for j in range(max(0, j0 - 2), min(len(theirs), j0 + 2)):
-                    g, k = theirs[j]
-                    moved = net[i] - g
-                    if not 0 < moved < gap or abs(moved - want) >= best_err:
-                        continue
-                    d = self.L[k] - self.L[i]
-                    bk = where[k][0]
-                    if d <= room[bi][h] and -d <= room[bk][lo]:
-                        best, best_err = (i, k, bk), abs(moved - want)
-            if best is None:
+            mine = np.array([i for b in range(self.R) for i in self.cell[b][h]], dtype=np.int64)
+            mrow = np.array([b for b in range(self.R) for _ in self.cell[b][h]], dtype=np.int64)
+            their = np.array([j for b in range(self.R) for j in self.cell[b][lo]], dtype=np.int64)
+            trow = np.array([b for b in range(self.R) for _ in self.cell[b][lo]], dtype=np.int64)
+            if not mine.size:
                 return
-            i, other, b2 = best
-            bi = where[i][0]
-            self._move(i, (bi, h), (b2, lo), room, where)
-            moved = net[i]
-            if other is not None:
-                self._move(other, (b2, lo), (bi, h), room, where)
-                moved -= net[other]
-            proj[h] -= moved
-            proj[lo] += moved
+            srt = np.lexsort((their, net[their]))
+            their, trow = their[srt], trow[srt]
+            keys = net[their]
+            nm = net[mine]
+            # candidates per document of the heavy column: [alone, 4 neighbours in net work]
+            err = np.full((mine.size, 5), np.inf)
+            b2 = int(np.argmax(room[:, lo]))  # the lightest column's cell with the most room
+            ok = (nm > 0) & (nm < gap) & (room[b2, lo] >= L[mine])
+            err[:, 0] = np.where(ok, np.abs(nm - want), np.inf)
+            if their.size:
+                j = np.searchsorted(keys, nm - want, side="left")[:, None] + off
+                valid = (j >= 0) & (j < their.size)
+                jc = np.clip(j, 0, their.size - 1)
+                moved = nm[:, None] - keys[jc]
+                d = L[their[jc]] - L[mine][:, None]
+                ok = valid & (moved > 0) & (moved < gap)
+                ok &= (d <= room[mrow, h][:, None]) & (-d <= room[trow[jc], lo])
+                err[:, 1:] = np.where(ok, np.abs(moved - want), np.inf)
+            flat = int(np.argmin(err))
+            if not err.flat[flat] < gap:
+                return
+            a, slot = divmod(flat, 5)
+            i, bi = int(mine[a]), int(mrow[a])
+            if slot == 0:
+                self._move(i, (bi, h), (b2, lo), room)
+                moved_w = float(net[i])
+            else:
+                jj = int(jc[a, slot - 1])
+                k, bk = int(their[jj]), int(trow[jj])
+                self._move(i, (bi, h), (bk, lo), room)
+                self._move(k, (bk, lo), (bi, h), room)
+                moved_w = float(net[i]) - float(net[k])
+            proj[h] -= moved_w
+            proj[lo] += moved_w
 
-    def _move(self, i: int, src: tuple[int, int], dst: tuple[int, int], room, where) -> None:
+    def _move(self, i: int, src: tuple[int, int], dst: tuple[int, int], room: np.ndarray) -> None:
         """Document ``i`` from cell ``src`` to the end of cell ``dst`` (``(row, column)``), with
         the rooms, fills and column loads that follow it."""
         (bs, rs), (bd, rd) = src, dst
         self.cell[bs][rs].remove(i)
         self.cell[bd][rd].append(i)
-        room[bs][rs] += self.L[i]
-        room[bd][rd] -= self.L[i]
+        room[bs, rs] += self.L[i]
+        room[bd, rd] -= self.L[i]
         self.used[bs][rs] -= self.L[i]
         self.used[bd][rd] += self.L[i]
         self.colw[rs] -= self.work[i]
         self.colw[rd] += self.work[i]
-        where[i] = dst
 
     # -- 3. close the cells ---------------------------------------------------------------------
     def _exact(self, space: int, own: list[int]) -> list[int] | None:
@@ -602,14 +702,15 @@ class _Packer:
 
     # -- all ----------------------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
-        live = [i for i, n in enumerate(self.L) if n > 0]
-        heavy = sorted((i for i in live if self._heavy(i)), key=lambda i: (-self.work[i], i))
+        live = self.docs.live
+        is_heavy = self._heavy_all()
+        heavy = sorted((i for i in live if is_heavy[i]), key=lambda i: (-self.work[i], i))
         self.tries = min(self.c, 6 if len(heavy) <= self.c else 2)  # end columns tried per heavy document
         rest = []
         for i in heavy:
             if not self._place_heavy(i):
                 rest.append(i)
-        rest += [i for i in live if not self._heavy(i)]
+        rest += [i for i in live if not is_heavy[i]]
         if self.slack:
             self._reserve_padding()
         rest.sort(key=lambda i: (-self.L[i], i))
@@ -629,31 +730,85 @@ class _Packer:
 
 
 def _column_loads(lens: list[list[int]], seq_len: int, c: int, causal: bool, left: int, right: int) -> list[int]:
-    """Owner-first work of every rank (what the planner starts from) for rows of segments."""
-    own = owner_ranges(seq_len, c)
-    cs = max(e - a for a, e in own)
-    loads = [0] * c
-    for row in lens:
-        at = 0
-        for n in row:
-            s, e = at, at + n
-            r = min(s // cs, c - 1) if cs else 0
-            while r < c and own[r][0] < e:
-                a, b = max(s, own[r][0]), min(e, own[r][1])
-                if b > a:
-                    loads[r] += prefix_pairs(b - s, n, causal, left, right) - prefix_pairs(
-                        a - s, n, causal, left, right
-                    )
-                r += 1
-            at = e
-    return loads
+    """Owner-first work of every rank (what the planner starts from) for rows of segments: the
+    cumulative work of each row at every shard boundary, differenced."""
+    flat = np.fromiter((n for row in lens for n in row), dtype=np.int64)
+    if not flat.size:
+        return [0] * c
+    row_of = np.repeat(np.arange(len(lens), dtype=np.int64), [len(row) for row in lens])
+    ends = np.cumsum(flat)
+    starts = ends - flat
+    row_start = np.concatenate([[0], np.cumsum([sum(row) for row in lens])[:-1]])
+    shift = row_of * seq_len - row_start[row_of]
+    starts, ends = starts + shift, ends + shift  # positions on one axis: row b from b * seq_len
+    before = np.concatenate([[0], np.cumsum(_prefix_pairs_np(flat, flat, causal, left, right))])
+    hi = np.minimum(np.arange(1, c + 1, dtype=np.int64) * (-(-seq_len // c)), seq_len)  # owner_ranges' ends
+    at = (np.arange(len(lens), dtype=np.int64)[:, None] * seq_len + hi[None, :]).ravel()
+    at = np.concatenate([[0], at])  # ... and the start of row 0 (every other start is an end)
+    k = np.searchsorted(ends, at, side="right")
+    kk = np.minimum(k, flat.size - 1)
+    inside = _prefix_pairs_np(at - starts[kk], flat[kk], causal, left, right)
+    cum = before[k] + np.where(k < flat.size, inside, 0)
+    per_cell = np.diff(cum).reshape(len(lens), c)
+    return per_cell.sum(axis=0).tolist()
+
+
+def _two_shards(docs: _Docs, seq_len: int):
+    """One row of few documents over 2 ranks, causal, no window: every split tried at once.
+    Rank 0 holds a subset of the documents and possibly the head of one more (``p`` tokens: the
+    keys rank 1 receives), padding fills the rest. Returns the ``(order, lengths)`` of the
+    balanced split (owner-first imbalance at most ``_EXACT_IMBALANCE``) with the fewest keys
+    received, then the best balance; None if no split is balanced."""
+    live = docs.live
+    half, P = -(-seq_len // 2), seq_len - docs.tokens
+    # per subset of the documents (bit j: live[j]): tokens, pairs, longest document in it
+    toks, work, longest = (np.zeros(1, dtype=np.int64) for _ in range(3))
+    for i in live:
+        n, w = docs.L[i], docs.work[i]
+        toks, work = np.concatenate([toks, toks + n]), np.concatenate([work, work + w])
+        longest = np.concatenate([longest, np.maximum(longest, n)])
+    outside = longest[::-1]  # longest document NOT in the subset (the complement's index)
+
+    def pad_work(x: np.ndarray) -> np.ndarray:  # padding in pieces of _PAD_PIECE (as _finish cuts it)
+        q, r = np.divmod(x, _PAD_PIECE)
+        return q * (_PAD_PIECE * (_PAD_PIECE + 1) // 2) + r * (r + 1) // 2
+
+    # option 0: rank 0 = the subset and padding; option 1: ... and the head (p tokens, the least
+    # the padding allows) of a longer document outside it, which straddles
+    p = np.stack([np.zeros_like(toks), np.maximum(1, half - toks - P)])
+    ok = np.stack([(toks <= half) & (half - toks <= P), (p[1] < outside) & (toks + p[1] <= half)])
+    pad0 = np.where(ok, half - toks - p, 0)
+    w0 = work + p * (p + 1) // 2 + pad_work(pad0)  # the head's pairs: causal, no window
+    total = int(work[-1]) + pad_work(pad0) + pad_work(P - pad0)
+    imb = np.maximum(w0, total - w0) / (total / 2)
+    ok &= imb <= _EXACT_IMBALANCE
+    if not ok.any():
+        return None
+    kv = np.where(ok, p, np.iinfo(np.int64).max)
+    opt, a = divmod(int(np.argmin(np.where(kv == kv.min(), imb, np.inf))), toks.size)  # first best
+    inside = [i for j, i in enumerate(live) if a >> j & 1]
+    rest = [i for j, i in enumerate(live) if not a >> j & 1]
+    order = inside + ([PAD] if pad0[opt, a] else [])
+    lens = [docs.L[i] for i in inside] + ([int(pad0[opt, a])] if pad0[opt, a] else [])
+    if opt:  # the straddling document: the longest outside the subset (the first such)
+        d = max(rest, key=lambda i: (docs.L[i], -i))
+        rest.remove(d)
+        order, lens = order + [d], lens + [docs.L[d]]
+    return order + rest, lens + [docs.L[i] for i in rest]
 
 
 def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int):
-    """The better of up to ``_PASSES`` packings (fewest documents left out, then balance)."""
+    """The better of up to ``_PASSES`` packings (fewest documents left out, then balance), and
+    its owner-first column loads."""
     best, shift = None, None
+    docs = _Docs(lengths, causal, left, right)
+    if c == 2 and R == 1 and causal and left < 0 and 0 < len(docs.live) <= _EXACT_DOCS and docs.tokens <= seq_len:
+        got = _two_shards(docs, seq_len)
+        if got is not None:
+            done = _finish([list(got[0])], [list(got[1])], seq_len, c).lengths
+            return [got[0]], [got[1]], [], _column_loads(done, seq_len, c, causal, left, right)
     for _ in range(_PASSES):
-        got = _Packer(lengths, seq_len, c, causal, left, right, R, shift).run()
+        got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs).run()
         done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
         loads = _column_loads(done, seq_len, c, causal, left, right)
         mean = sum(loads) / c
@@ -661,13 +816,13 @@ def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int
         if _DEBUG:
             print("pass", score)
         if best is None or score < best[0]:
-            best = (score, got)
+            best = (score, got, loads)
         if not 1 + _TOLERANCE < score[1] <= 1 + _RETRY_BELOW:
             break  # balanced, or a document alone outweighs a column: another pass cannot help
         # the next pass aims each column lower by what this one ended above the mean
         shift = [(shift[r] if shift else 0.0) + (loads[r] - mean) for r in range(c)]
     assert best is not None
-    return best[1]
+    return (*best[1], best[2])
 
 
 def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, n_rows: int | None):
@@ -679,38 +834,33 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
         # them one by one costs more than it gains; first-fit rows (the planner balances them)
         fit = _first_fit(lengths, seq_len)
         return fit, [[lengths[i] for i in r] for r in fit], []
-    rows, lens, spill = _best_pass(lengths, seq_len, c, causal, left, right, R)
+    rows, lens, spill, loads = _best_pass(lengths, seq_len, c, causal, left, right, R)
+    fit = _first_fit(lengths, seq_len) if n_rows is None else []
 
     if spill and n_rows is None:
         # some documents fit no cell: rather than rows of their own, take first-fit's rows and
         # order each row's documents alone (a row that still cannot close keeps first-fit order)
-        rows, lens = [], []
-        for row in _first_fit(lengths, seq_len):
+        rows, lens, loads = [], [], None
+        for row in fit:
             sub = [lengths[i] for i in row]
-            got = _best_pass(sub, seq_len, c, causal, left, right, 1)
-            if got[2]:
-                rows.append(list(row))
-                lens.append(sub)
-            else:
-                rows.append([row[j] if j != PAD else PAD for j in got[0][0]])
-                lens.append(got[1][0])
+            if R > 1:  # (one row of all the documents: its pass is the one that just left some out)
+                one, one_lens, left_out, _ = _best_pass(sub, seq_len, c, causal, left, right, 1)
+                if not left_out:
+                    rows.append([row[j] if j != PAD else PAD for j in one[0]])
+                    lens.append(one_lens[0])
+                    continue
+            rows.append(list(row))
+            lens.append(sub)
         spill = []
     if n_rows is None:
         # never worse than first-fit on the heaviest rank (a safety net for inputs the greedy
         # assignment handles badly; measured: long+short documents in several rows)
-        fit = _first_fit(lengths, seq_len)
         fit_lens = [[lengths[i] for i in r] for r in fit]
         if len(fit) <= len(rows):
-            mine = max(
-                _column_loads(
-                    _finish([list(r) for r in rows], [list(x) for x in lens], seq_len, c).lengths,
-                    seq_len,
-                    c,
-                    causal,
-                    left,
-                    right,
-                )
-            )
+            if loads is None:
+                done = _finish([list(r) for r in rows], [list(x) for x in lens], seq_len, c).lengths
+                loads = _column_loads(done, seq_len, c, causal, left, right)
+            mine = max(loads)
             theirs = max(
                 _column_loads(
                     _finish([list(r) for r in fit], [list(x) for x in fit_lens], seq_len).lengths,
@@ -737,6 +887,8 @@ def _finish(rows: list[list[int]], lens: list[list[int]], seq_len: int, cp_size:
         if rest > 0:
             order.append(PAD)
             ln.append(rest)
+        if PAD not in order:
+            continue
         padded += sum(n for i, n in zip(order, ln) if i == PAD)
         if cp_size:
             new_o, new_l, at = [], [], 0
@@ -744,13 +896,14 @@ def _finish(rows: list[list[int]], lens: list[list[int]], seq_len: int, cp_size:
                 if i != PAD:
                     new_o.append(i)
                     new_l.append(n)
-                else:
+                else:  # pieces of _PAD_PIECE from each shard boundary, the last one shorter
                     end = at + n
                     while at < end:
-                        step = min(end, (at // cs + 1) * cs, at + _PAD_PIECE) - at
-                        new_o.append(PAD)
-                        new_l.append(step)
-                        at += step
+                        stop = min(end, (at // cs + 1) * cs)
+                        q, rem = divmod(stop - at, _PAD_PIECE)
+                        new_o += [PAD] * (q + (1 if rem else 0))
+                        new_l += [_PAD_PIECE] * q + ([rem] if rem else [])
+                        at = stop
                     continue
                 at += n
             rows[b], lens[b] = new_o, new_l
