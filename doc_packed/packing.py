@@ -51,6 +51,8 @@ _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
 _SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
 _RESERVE_PER_ROW = 12  # shortest documents held back per row to close cells exactly
+_MIN_PER_SHARD = 3  # below this many documents per shard on average: first-fit rows (measured:
+# at 2-3 the CP-aware rows were first-fit's in 7 of 9 bench cells, a trade in 2, and took 20-135 ms)
 _EXACT_DOCS = 16  # one row over 2 ranks with at most this many documents: every split is tried
 _EXACT_IMBALANCE = 1.009  # ... and balanced means below the runtime planner's 1% tolerance
 PAD = -1  # the document index of padding segments and padding positions
@@ -753,6 +755,12 @@ def _column_loads(lens: list[list[int]], seq_len: int, c: int, causal: bool, lef
     return per_cell.sum(axis=0).tolist()
 
 
+def _exact_applies(c: int, R: int, causal: bool, left: int, docs: int, tokens: int, seq_len: int) -> bool:
+    """Whether :func:`_two_shards` takes the batch: one row over 2 ranks, causal without a
+    window, 1 to ``_EXACT_DOCS`` documents."""
+    return c == 2 and R == 1 and causal and left < 0 and 0 < docs <= _EXACT_DOCS and tokens <= seq_len
+
+
 def _two_shards(docs: _Docs, seq_len: int):
     """One row of few documents over 2 ranks, causal, no window: every split tried at once.
     Rank 0 holds a subset of the documents and possibly the head of one more (``p`` tokens: the
@@ -802,7 +810,7 @@ def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int
     its owner-first column loads."""
     best, shift = None, None
     docs = _Docs(lengths, causal, left, right)
-    if c == 2 and R == 1 and causal and left < 0 and 0 < len(docs.live) <= _EXACT_DOCS and docs.tokens <= seq_len:
+    if _exact_applies(c, R, causal, left, len(docs.live), docs.tokens, seq_len):
         got = _two_shards(docs, seq_len)
         if got is not None:
             done = _finish([list(got[0])], [list(got[1])], seq_len, c).lengths
@@ -829,9 +837,10 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
     total = sum(lengths)
     R = n_rows if n_rows is not None else max(1, -(-total // seq_len))
     live = [n for n in lengths if n]
-    if n_rows is None and live and total > len(live) * max(e - a for a, e in owner_ranges(seq_len, c)) // 2:
-        # documents longer than half a shard on average: nearly all must straddle, and placing
-        # them one by one costs more than it gains; first-fit rows (the planner balances them)
+    few = total > len(live) * max(e - a for a, e in owner_ranges(seq_len, c)) // _MIN_PER_SHARD
+    if n_rows is None and live and few and not _exact_applies(c, R, causal, left, len(live), total, seq_len):
+        # fewer than _MIN_PER_SHARD documents per shard on average: most must straddle, and
+        # placing them one by one costs more than it gains; first-fit rows (the planner balances)
         fit = _first_fit(lengths, seq_len)
         return fit, [[lengths[i] for i in r] for r in fit], []
     rows, lens, spill, loads = _best_pass(lengths, seq_len, c, causal, left, right, R)
