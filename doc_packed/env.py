@@ -16,7 +16,7 @@ import torch
 from . import kernels
 from ._checks import check_qkv, check_window
 
-__all__ = ["autoparallel_status", "backend_for", "backend_reasons", "report"]
+__all__ = ["autoparallel_status", "backend_for", "backend_reasons", "call_reasons", "report"]
 
 AUTOPARALLEL_HINT = (
     "pip install -e '.[autoparallel]' and AutoParallel from its git repository, "
@@ -32,19 +32,48 @@ def backend_for(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     backend: str = "auto",
+    v: torch.Tensor | None = None,
+    softcap: float | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> str:
     """The kernel backend ``doc_packed_attn(q, k, v, cu_seqlens, ...)`` runs on these inputs.
 
-    For a local (not context-parallel) call; validates like the op (``v`` is taken to be
-    shaped like ``k``) and raises the op's errors, including ``ValueError`` for a forced
-    ``backend`` that cannot take the inputs. Reads ``cu_seqlens`` once per tensor (cached).
+    For a local (not context-parallel) call; validates like the op (``v`` defaults to ``k``'s
+    shape; ``softcap`` and ``prefix_lens`` as the op takes them: variants change the choice) and
+    raises the op's errors, including ``ValueError`` for a forced ``backend`` that cannot take
+    the inputs. Reads ``cu_seqlens`` once per tensor (cached). Sinks never change the backend.
     """
+    spec, flat, variant = _problem(q, k, cu_seqlens, causal, window_size, v, softcap, prefix_lens)
+    return kernels.choose(backend, spec, flat, k.shape[2], variant)
+
+
+def call_reasons(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    v: torch.Tensor | None = None,
+    softcap: float | None = None,
+    prefix_lens: torch.Tensor | None = None,
+) -> dict[str, str | None]:
+    """Per backend, why it cannot run this local call (None: it can), variants included: e.g.
+    ``fa4: takes no bidirectional prefixes ...`` for a call with ``prefix_lens``."""
+    spec, flat, variant = _problem(q, k, cu_seqlens, causal, window_size, v, softcap, prefix_lens)
+    return kernels.reasons(flat, spec, k.shape[2], variant)
+
+
+def _problem(q, k, cu_seqlens, causal, window_size, v, softcap, prefix_lens):
+    from ._checks import check_variants
     from .ops import _local_problem
 
-    check_qkv(q, k, k, cu_seqlens)
+    v = k if v is None else v
+    check_qkv(q, k, v, cu_seqlens)
     left, right = check_window(causal, window_size)
-    spec = _local_problem(cu_seqlens, q.shape[1], causal, left, right)
-    return kernels.choose(backend, spec, q, k.shape[2])
+    cap = check_variants(q, cu_seqlens, causal, None, softcap, prefix_lens, False)
+    spec = _local_problem(cu_seqlens, q.shape[1], causal, left, right, prefix_lens)
+    return spec, q, kernels.Variant.of(q, v, cap)
 
 
 def backend_reasons(

@@ -99,14 +99,15 @@ def _local_problem(cu_seqlens, seq_len, causal, left, right, prefix_lens=None) -
     )
 
 
-def _reject_cp_variants(q, v, prefix_lens) -> None:
+def _pad_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with its last dim zero-padded to ``width`` (itself when it is that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _reject_cp_variants(prefix_lens) -> None:
     """The variants context parallelism cannot run yet raise, naming the variant (sinks run: their
-    term joins each query's merged row once, after the exchange; softcap runs per stage)."""
-    if v.shape[-1] != q.shape[-1]:
-        raise NotImplementedError(
-            f"a value head dim ({v.shape[-1]}) unlike q's ({q.shape[-1]}) under context parallelism "
-            "(cp_group) is not supported yet"
-        )
+    term joins each query's merged row once, after the exchange; softcap runs per stage; a value
+    head dim unlike q's runs zero-padded to the wider one: exact, zeros add nothing)."""
     if prefix_lens is not None:
         raise NotImplementedError(
             "prefix_lens under context parallelism (cp_group) is not supported yet: a bidirectional "
@@ -174,10 +175,25 @@ def _forward(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(q, v, prefix_lens)
+        _reject_cp_variants(prefix_lens)
+        d, dv = q.shape[-1], v.shape[-1]
+        w = max(d, dv)  # the exchange moves K and V in one buffer: one head dim, zero-padded
         out, lse = cp_attention.forward(
-            q, k, v, cu_seqlens, seq_len, causal, window_left, window_right, scale, backend, cp_group, softcap
+            _pad_dim(q, w),
+            _pad_dim(k, w),
+            _pad_dim(v, w),
+            cu_seqlens,
+            seq_len,
+            causal,
+            window_left,
+            window_right,
+            scale,
+            backend,
+            cp_group,
+            softcap,
         )
+        if dv < w:
+            out = out[..., :dv].contiguous()
         if sinks is not None:  # once per query, after the merge over stages and ranks
             out, lse = add_sinks(out, lse, sinks)
     else:
@@ -220,13 +236,15 @@ def backward_impl(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(q, v, prefix_lens)
-        return cp_attention.backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
+        _reject_cp_variants(prefix_lens)
+        d, dv = q.shape[-1], v.shape[-1]
+        w = max(d, dv)
+        dq, dk, dv_ = cp_attention.backward(
+            _pad_dim(dout, w),
+            _pad_dim(q, w),
+            _pad_dim(k, w),
+            _pad_dim(v, w),
+            _pad_dim(out, w),
             lse,
             cu_seqlens,
             seq_len,
@@ -238,6 +256,9 @@ def backward_impl(
             cp_group,
             softcap,
         )
+        if w == d == dv:
+            return dq, dk, dv_
+        return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv_[..., :dv].contiguous()
     B, S, Hq, D = q.shape
     if S != seq_len:
         _check_local(q, seq_len)

@@ -1,7 +1,7 @@
 """Attention variants under context parallelism on gloo ranks: sinks (their term joins each
-query's merged row once) and softcap (per stage) exact against the float64 oracle; the variants
-context parallelism cannot run yet (prefixes, max logits, a value head dim unlike q's) raise
-NotImplementedError naming the variant on every rank."""
+query's merged row once), softcap (per stage) and D_v != D exact against the float64 oracle; the variants
+context parallelism cannot run yet (prefixes, max logits) raise NotImplementedError naming the
+variant on every rank; a value head dim unlike q's runs zero-padded (exact)."""
 
 import random
 
@@ -30,6 +30,23 @@ def _cases(world):
                     max_docs=S,
                 )
             )
+    # a value head dim unlike q's, narrower and wider (zero-padded through the exchange)
+    out.append(
+        dict(lengths=[[S], random_lengths(rng, S)], S=S, Hq=4, Hkv=2, D=8, Dv=4, window=(5, 0), sinks=True, max_docs=S)
+    )
+    out.append(
+        dict(
+            lengths=[[S], random_lengths(rng, S)],
+            S=S,
+            Hq=4,
+            Hkv=2,
+            D=8,
+            Dv=16,
+            window=(-1, -1),
+            softcap=2.0,
+            max_docs=S,
+        )
+    )
     # one-token and zero-length documents, MQA
     out.append(
         dict(
@@ -58,8 +75,7 @@ def test_cp_unsupported_variants_raise_on_every_rank(run_ranks):
     for msgs in run_ranks(cp_variant_rejected, 2):
         assert "prefix_lens under context parallelism" in msgs[0]
         assert "return_max_logits under context parallelism" in msgs[1]
-        assert "value head dim unlike q's under context parallelism" in msgs[2]
-        assert msgs[3] == (1, 16, 2, 8)
+        assert msgs[2] == (1, 16, 2, 8)
 
 
 def _dtensor_cases():
@@ -80,6 +96,7 @@ def _dtensor_cases():
         out.append(dict(base, placements=(p,), softcap=2.0))
         out.append(dict(base, placements=(p,), Dv=4, prefix=None))
     out.append(dict(base, placements=(Shard(1),), softcap=2.0, prefix=None))  # sequence: context parallel
+    out.append(dict(base, placements=(Shard(1),), Dv=4, prefix=None))
     return out
 
 

@@ -356,3 +356,18 @@ def test_flex_softcap_prefix_value_dim_on_cpu(dv):
     want = mk.backward(spec, dout, q, k, v, ref_out, ref_lse, 0.3, 1.5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_env_says_which_backend_runs_each_variant_and_why():
+    from doc_packed import env
+
+    q, k, v = (t.detach() for t in _inputs(12))
+    cu = _layout()
+    prefix = torch.tensor(PREFIX, dtype=torch.int32)
+    assert env.backend_for(q, k, cu, v=v, softcap=2.0, prefix_lens=prefix) == "math"
+    why = env.call_reasons(q, k, cu, v=v, softcap=2.0, prefix_lens=prefix)
+    assert why["math"] is None and "CUDA" in why["fa4"] and "CUDA" in why["flex"]
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        env.backend_for(q, k, cu, softcap=-1.0)
+    with pytest.raises(ValueError, match="backend='flash'"):
+        env.backend_for(q, k, cu, backend="flash", softcap=1.0)
