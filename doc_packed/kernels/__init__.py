@@ -79,7 +79,7 @@ TABLE: tuple[Backend, ...] = (
     Backend(
         "fa4",
         fa4,
-        lambda q, spec, kv, var: fa4.unsupported_reason(q, kv) or fa4.variant_reason(q, spec, var),
+        lambda q, spec, kv, var: fa4.unsupported_reason(q, kv) or fa4.variant_reason(q, spec, var, kv),
         True,
         (fa4.Unavailable,),
         True,

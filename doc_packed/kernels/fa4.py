@@ -112,10 +112,11 @@ def unsupported_reason(q: Tensor, kv_heads: int | None = None) -> str | None:
     return None
 
 
-def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant) -> str | None:
+def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant, kv_heads: int | None = None) -> str | None:
     """Why FA4 cannot run this variant (after :func:`unsupported_reason` passed): FA4 4.0.0b36's
-    head-dim pairs (``_validate_head_dims``), no per-query key intervals (prefixes), and no
-    softcap in its Blackwell backward at head dim 256."""
+    head-dim pairs (``_validate_head_dims``; on Hopper its GQA backward also needs v's head dim
+    equal to q's), no per-query key intervals (prefixes), and no softcap in its Blackwell
+    backward at head dim 256. ``kv_heads`` None skips the GQA rule (not known yet)."""
     if spec is not None and spec.prefix is not None:
         return "takes no bidirectional prefixes (they need per-query key intervals: flex or math)"
     if q.device.type != "cuda":
@@ -130,6 +131,11 @@ def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant) -> str | No
         if not ok:
             rule = "8..256" if major == 9 else "both <= 128, or (192, 128)"
             return f"needs head dims (q/k, v) {rule} on compute capability {major}.x, got ({d}, {dv})"
+        if major == 9 and dv != d and kv_heads is not None and kv_heads != q.shape[-2]:
+            return (
+                f"needs v's head dim equal to q/k's ({d}) with grouped K/V heads on compute capability 9.x "
+                f"(its backward asserts it), got {dv} with {q.shape[-2]} / {kv_heads} heads"
+            )
     if var.softcap and major == 10 and d == 256:
         return "takes no softcap at head dim 256 on compute capability 10.x (its backward has none)"
     return None

@@ -218,7 +218,10 @@ def _score_graphs(device: torch.device, dtype: torch.dtype, softcap: float = 0.0
     create_fw_bw_graph = _compat.create_fw_bw_graph()
     scalar = torch.zeros((), device=device, dtype=dtype, requires_grad=True)
     index = tuple(torch.zeros((), device=device, dtype=torch.int) for _ in range(4))
-    return create_fw_bw_graph(score_mod(softcap), (scalar, *index), ())
+    # backward passes run with grad mode off: a score_mod that computes (softcap's tanh) would
+    # then trace no gradient, and Inductor's lowering fails ("joint_subgraph_buffer is None")
+    with torch.enable_grad():
+        return create_fw_bw_graph(score_mod(softcap), (scalar, *index), ())
 
 
 class CompileError(RuntimeError):
