@@ -258,10 +258,10 @@ def _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits) 
     exchange: they depend on arguments every rank passes the same)."""
     if cp_group is None:
         return
-    for name, unsupported in (("prefix_lens", prefix_lens is not None), ("return_max_logits", return_max_logits)):
+    for name, unsupported in (("prefix_lens", prefix_lens is not None),):
         if unsupported:
             raise NotImplementedError(
-                f"{name} under context parallelism (cp_group) is not supported yet (sinks, softcap and a value head dim unlike q's are)"
+                f"{name} under context parallelism (cp_group) is not supported yet (sinks, softcap, max logits and a value head dim unlike q's are)"
             )
 
 

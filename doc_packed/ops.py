@@ -396,9 +396,11 @@ def attn_max_logits(
 ) -> torch.Tensor:
     """``[H_q]`` max logits (no gradient): the largest visible scaled, softcapped logit per head."""
     if cp_group is not None:
-        raise NotImplementedError(
-            "return_max_logits under context parallelism (cp_group) is not supported yet "
-            "(it needs the exchanged keys; reduce-by-max across ranks is not wired)"
+        from .cp import max_logits as cp_max_logits
+
+        _reject_cp_variants(prefix_lens)
+        return cp_max_logits.max_logits(
+            q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap
         )
     _check_local(q, seq_len)
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)

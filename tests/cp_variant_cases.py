@@ -27,7 +27,7 @@ def cp_variant_parity(rank, world, cases):
         sinks = torch.randn(Hq, generator=g, dtype=torch.float64) if case.get("sinks") else None
         rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
         rs = None if sinks is None else sinks.clone().requires_grad_()
-        ref_out, ref_lse = reference(rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap)
+        ref_out, ref_lse, ref_max = reference(rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap, max_logits=True)
         wrt = (rq, rk, rv) + (() if rs is None else (rs,))
         ref_grads = torch.autograd.grad(ref_out, wrt, dout)
 
@@ -37,13 +37,24 @@ def cp_variant_parity(rank, world, cases):
 
         lq, lk, lv = (chunk(t).clone().requires_grad_() for t in (q, k, v))
         ls = None if sinks is None else sinks.clone().requires_grad_()
-        out, lse = dp.doc_packed_attn(
-            lq, lk, lv, cu, window_size=window, return_lse=True, cp_group=group, seq_len=S, sinks=ls, softcap=softcap
+        out, lse, mx = dp.doc_packed_attn(
+            lq,
+            lk,
+            lv,
+            cu,
+            window_size=window,
+            return_lse=True,
+            cp_group=group,
+            seq_len=S,
+            sinks=ls,
+            softcap=softcap,
+            return_max_logits=True,
         )
         grads = torch.autograd.grad(out, (lq, lk, lv) + (() if ls is None else (ls,)), chunk(dout))
         err = max(
             (out - chunk(ref_out)).abs().max().item(),
             (lse - ref_lse.chunk(world, dim=2)[rank]).abs().max().item(),
+            (mx - ref_max).abs().max().item(),
             *[(a - chunk(b)).abs().max().item() for a, b in zip(grads[:3], ref_grads[:3])],
         )
         dsinks = grads[3].clone() if ls is not None else torch.zeros(0, dtype=torch.float64)
@@ -62,7 +73,7 @@ def cp_variant_rejected(rank, world):
     cu = dp.cu_seqlens_from_lengths([[10, 22]], S)
     q, k, v = (torch.randn(1, S // world, 2, 8, dtype=torch.float64) for _ in range(3))
     msgs = []
-    for kw, vv in (({"prefix_lens": torch.tensor([[3, 0]], dtype=torch.int32)}, v), ({"return_max_logits": True}, v)):
+    for kw, vv in (({"prefix_lens": torch.tensor([[3, 0]], dtype=torch.int32)}, v),):
         try:
             dp.doc_packed_attn(q, k, vv, cu, cp_group=group, seq_len=S, **kw)
             msgs.append(None)

@@ -66,6 +66,7 @@ class VarlenSpec:
         right: int,
         row_len: int | None = None,
         prefix: Sequence[int] | None = None,
+        bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         if len(cu_q) != len(cu_k) or len(cu_q) < 1:
             raise ValueError("cu_q and cu_k must have the same, non-zero length")
@@ -86,6 +87,11 @@ class VarlenSpec:
         # row boundary); lets a kernel batch by row (flex). None: one packed problem.
         self.row_len = row_len
         self._cache: dict = {}
+        if bounds is not None:
+            # explicit per-query key intervals (host int64, packed key indices) for queries that
+            # are not bottom-right aligned with their keys; only the math kernel reads a spec's
+            # bounds alone (fa4/flash take the offsets), so such a spec is for the math kernel
+            self._cache["key_bounds"] = bounds
 
     def cached(self, key, factory):
         try:
