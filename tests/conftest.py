@@ -43,6 +43,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    """Forget remembered validations, layouts and what hangs off them (specs, kernel choices):
+    tests patch which backends are installed, which a process never sees change."""
+    from doc_packed import _doc_layout, api
+
+    api._VALIDATED.clear()
+    _doc_layout.clear_cache()
+
+
 @pytest.fixture
 def run_ranks(tmp_path):
     """``run_ranks(fn, world_size, *args, timeout=...)``: ``fn(rank, world_size, *args)`` on

@@ -184,6 +184,13 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
     return (out.to(lse.dtype) * w).to(out.dtype), new
 
 
+def _chosen(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, variant: Variant) -> str:
+    """:func:`choose`, memoised on the spec (every layer of a step shares it; the support rules
+    read metadata only) until a backend breaks."""
+    key = ("backend", backend, q.dtype, q.device, q.shape[1:], kv_heads, variant, len(_broken))
+    return spec.cached(key, lambda: choose(backend, spec, q, kv_heads, variant))
+
+
 def _run(
     pass_: str,
     backend: str,
@@ -195,7 +202,7 @@ def _run(
     sinks: torch.Tensor | None = None,
     need_lse: bool = True,
 ):
-    name = choose(backend, spec, q, kv_heads, variant)
+    name = _chosen(backend, spec, q, kv_heads, variant)
     # softcap only where asked: a backend without it (flash) is never chosen for it
     kwargs = {"softcap": variant.softcap} if variant.softcap else {}
     while True:

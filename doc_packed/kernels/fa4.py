@@ -173,7 +173,12 @@ def _interface():
 
 
 def _args(spec: VarlenSpec, q: Tensor, scale: float) -> dict:
-    cu_q, cu_k = spec.cu_tensors(q.device)
+    """FA4's keyword arguments for ``spec`` (built once per spec, device and scale)."""
+    return spec.cached(("fa4", q.device, scale), lambda: _build_args(spec, q.device, scale))
+
+
+def _build_args(spec: VarlenSpec, device: torch.device, scale: float) -> dict:
+    cu_q, cu_k = spec.cu_tensors(device)
     left, right = window(spec)
     return {
         "cu_seqlens_q": cu_q,
