@@ -309,11 +309,7 @@ def attention(
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)
         if variant and is_dtensor(q):  # plain sinks / prefix_lens beside DTensors: replicated
-            if return_max_logits:
-                raise NotImplementedError("return_max_logits with DTensor inputs is not supported yet")
             variant = (variant[0], *(None if t is None else _as_dtensor_like(q, t) for t in variant[1:]))
-        elif return_max_logits and is_dtensor(q):
-            raise NotImplementedError("return_max_logits with DTensor inputs is not supported yet")
     out, lse = _eager.attention(
         q,
         k,

@@ -34,6 +34,7 @@ from .kernels import lse_dtype
 __all__ = [
     "BWD_ARGS",
     "FWD_ARGS",
+    "MAX_ARGS",
     "arg_index",
     "attn_bwd",
     "attn_fwd",
@@ -72,10 +73,30 @@ def _schema(tensors: tuple[str, ...], outputs: int) -> str:
     return f"({', '.join(args)}) -> ({', '.join(['Tensor'] * outputs)})"
 
 
+# ``attn_max_logits``'s arguments (its schema below)
+MAX_ARGS: tuple[str, ...] = (
+    "q",
+    "k",
+    "cu_seqlens",
+    "seq_len",
+    "causal",
+    "window_left",
+    "window_right",
+    "scale",
+    "cp_group",
+    "softcap",
+    "prefix_lens",
+)
+
+
 def arg_index(op: object, name: str) -> int:
-    """Position of argument ``name`` in ``op`` (``attn_fwd``/``attn_bwd``, packet or overload)."""
-    fwd = op in (torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_fwd.default)
-    return (FWD_ARGS if fwd else BWD_ARGS).index(name)
+    """Position of argument ``name`` in ``op`` (``attn_fwd``/``attn_bwd``/``attn_max_logits``,
+    packet or overload)."""
+    if op in (torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_fwd.default):
+        return FWD_ARGS.index(name)
+    if op in (torch.ops.doc_packed.attn_max_logits, torch.ops.doc_packed.attn_max_logits.default):
+        return MAX_ARGS.index(name)
+    return BWD_ARGS.index(name)
 
 
 def local_spec(

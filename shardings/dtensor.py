@@ -63,3 +63,4 @@ def _check_sequence_kept(arrived, seq_dims: list[int]) -> None:
 def register() -> None:
     install_custom_op_handler(torch.ops.doc_packed.attn_fwd.default, _handler)
     install_custom_op_handler(torch.ops.doc_packed.attn_bwd.default, _handler)
+    install_custom_op_handler(torch.ops.doc_packed.attn_max_logits.default, _handler)

@@ -39,7 +39,7 @@ import math
 from collections.abc import Collection, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from doc_packed.ops import arg_index, lse_dtype
 
@@ -195,8 +195,44 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
     return OpStrategy(specs)
 
 
+# kind -> placement of attn_max_logits' [H_q] output: a max over every query of the call, so a
+# batch shard holds a partial max; the sequence kind reduces over its ranks inside the op
+_MAX_OUT = {"replicate": _R, "batch": Partial("max"), "heads": _S0, "sequence": _R}
+
+
+def _max_logits_strategy(op_schema: OpSchema) -> OpStrategy:
+    """``attn_max_logits(q, k, cu_seqlens, ..., prefix_lens)``: q/k/cu_seqlens placed as the
+    forward's, prefix_lens with cu_seqlens, the ``[H_q]`` output by :data:`_MAX_OUT`."""
+    op, args = op_schema.op, op_schema.args_schema
+    inputs = [a for a in args if isinstance(a, OpStrategy)]
+    mesh = inputs[0].mesh
+    q_meta = inputs[0].strategies[0].output_spec.tensor_meta
+    B, S, Hq, _ = q_meta.shape
+    Hkv = inputs[1].strategies[0].output_spec.tensor_meta.shape[2]
+    i = arg_index(op, "prefix_lens")
+    has_prefix = len(args) > i and isinstance(args[i], OpStrategy)
+    out_meta = _meta((Hq,), lse_dtype(q_meta.dtype))
+    in_metas = [s.strategies[0].output_spec.tensor_meta for s in inputs]
+    sequence_dims = _sequence_dims(mesh, None)
+    specs = []
+    for kinds in offered_kinds(mesh.shape, B, S, Hq, Hkv, sequence_dims, _arriving_sequence_dims(inputs, op)):
+        fwd = [FWD[kd][1] for kd in kinds]
+        placements = [tuple(f[j] for f in fwd) for j in (0, 1, 3)]  # q, k, cu_seqlens
+        if has_prefix:
+            placements.append(tuple(_PREFIX[kd] for kd in kinds))
+        ins = [DTensorSpec(mesh, p, tensor_meta=m) for p, m in zip(placements, in_metas)]
+        out = DTensorSpec(mesh, tuple(_MAX_OUT[kd] for kd in kinds), tensor_meta=out_meta)
+        costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
+        specs.append(OpSpec(output_specs=out, input_specs=ins, redistribute_cost=costs))
+    return OpStrategy(specs)
+
+
 def register() -> None:
-    """Register both ops' strategies with DTensor (idempotent)."""
+    """Register the ops' strategies with DTensor (idempotent)."""
     for op in (torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default):
         # every argument from seq_len on is a non-tensor that keys DTensor's sharding cache
         register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=arg_index(op, "seq_len")))(_strategy)
+    op = torch.ops.doc_packed.attn_max_logits.default
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=arg_index(op, "seq_len")))(
+        _max_logits_strategy
+    )

@@ -107,13 +107,15 @@ def dtensor_variant_parity(rank, world, cases):
         sinks = torch.randn(Hq, generator=g, dtype=torch.float64)
         softcap = case.get("softcap")
         rq, rk, rv, rs = (t.clone().requires_grad_() for t in (q, k, v, sinks))
-        ref_out, ref_lse = reference(rq, rk, rv, cu, True, (-1, -1), sinks=rs, softcap=softcap, prefix_lens=prefix)
+        ref_out, ref_lse, ref_max = reference(
+            rq, rk, rv, cu, True, (-1, -1), sinks=rs, softcap=softcap, prefix_lens=prefix, max_logits=True
+        )
         ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv, rs), dout)
         dq_, dk_, dv_ = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v))
         ls = sinks.clone().requires_grad_()
         dcu = distribute_tensor(cu, mesh, [Shard(0) if p == Shard(0) else Replicate() for p in placements])
-        out, lse = dp.doc_packed_attn(
-            dq_, dk_, dv_, dcu, return_lse=True, sinks=ls, softcap=softcap, prefix_lens=prefix
+        out, lse, mx = dp.doc_packed_attn(
+            dq_, dk_, dv_, dcu, return_lse=True, sinks=ls, softcap=softcap, prefix_lens=prefix, return_max_logits=True
         )
         assert isinstance(out, DTensor)
         grads = torch.autograd.grad(out, (dq_, dk_, dv_, ls), distribute_tensor(dout, mesh, out.placements))
@@ -121,6 +123,7 @@ def dtensor_variant_parity(rank, world, cases):
         err = max(
             (out.full_tensor() - ref_out).abs().max().item(),
             (lse.full_tensor() - ref_lse).abs().max().item(),
+            (mx.full_tensor() - ref_max).abs().max().item(),
             *[(a - b).abs().max().item() for a, b in zip(full, ref_grads)],
         )
         report.append((err, tuple(out.placements)))
