@@ -96,7 +96,7 @@ def forced_kv(lengths: list[int], S: int, c: int, rows: int = 1, slack: float = 
     moves no query (every rank within ``1 + slack`` of the mean pairs, the planner's tolerance);
     ``inf`` if no such packing exists. A document that ends ``y`` tokens into a shard is cut into
     its tail (y tokens: that rank receives the other ``n - y`` as keys, none when the document
-    is whole there), whole shards before it and a head; each piece shares its rank's ``rows``
+    is whole there), whole shards before it and a head, all in one row; each piece shares its rank's ``rows``
     cells with at least :func:`_least_fill` of the remaining tokens, and must stay under the
     cap. The largest y that keeps every piece under it gives the document's bound, the largest
     over documents the packing's. Without the fill this is "too long or too heavy for one
@@ -121,6 +121,7 @@ def forced_kv(lengths: list[int], S: int, c: int, rows: int = 1, slack: float = 
         ok = pairs(np.int64(n)) - pairs(rest) + fill(X - y) <= cap  # the tail
         ok &= (rest < cs) | (pairs(rest) - pairs(rest - cs) + fill(X - cs) <= cap)  # the heaviest whole shard
         ok &= (head == 0) | (pairs(head) + fill(X - head) <= cap)  # the head
+        ok &= 1 + rest // cs + (head > 0) <= c  # ... all on the c shards of one row
         if ok[-1] and y[-1] == n:
             continue  # whole on one shard: no keys forced
         out = max(out, n - int(y[ok].max()) if ok.any() else math.inf)

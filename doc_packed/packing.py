@@ -783,21 +783,25 @@ def _two_shards(docs: _Docs, seq_len: int):
 
     # option 0: rank 0 = the subset and padding; option 1: ... and the head (p tokens, the least
     # the padding allows) of a longer document outside it, which straddles
+    total_work = int(work[-1])
+    cand = np.flatnonzero((toks <= half) & (half - toks - P < np.maximum(outside, 1)))  # either may hold
+    toks, work, outside = toks[cand], work[cand], outside[cand]
     p = np.stack([np.zeros_like(toks), np.maximum(1, half - toks - P)])
-    ok = np.stack([(toks <= half) & (half - toks <= P), (p[1] < outside) & (toks + p[1] <= half)])
+    ok = np.stack([half - toks <= P, (p[1] < outside) & (toks + p[1] <= half)])
     pad0 = np.where(ok, half - toks - p, 0)
     w0 = work + p * (p + 1) // 2 + pad_work(pad0)  # the head's pairs: causal, no window
-    total = int(work[-1]) + pad_work(pad0) + pad_work(P - pad0)
+    total = total_work + pad_work(pad0) + pad_work(P - pad0)
     imb = np.maximum(w0, total - w0) / (total / 2)
     ok &= imb <= _EXACT_IMBALANCE
     if not ok.any():
         return None
     kv = np.where(ok, p, np.iinfo(np.int64).max)
-    opt, a = divmod(int(np.argmin(np.where(kv == kv.min(), imb, np.inf))), toks.size)  # first best
+    opt, k = divmod(int(np.argmin(np.where(kv == kv.min(), imb, np.inf))), toks.size)  # first best
+    a = int(cand[k])
     inside = [i for j, i in enumerate(live) if a >> j & 1]
     rest = [i for j, i in enumerate(live) if not a >> j & 1]
-    order = inside + ([PAD] if pad0[opt, a] else [])
-    lens = [docs.L[i] for i in inside] + ([int(pad0[opt, a])] if pad0[opt, a] else [])
+    order = inside + ([PAD] if pad0[opt, k] else [])
+    lens = [docs.L[i] for i in inside] + ([int(pad0[opt, k])] if pad0[opt, k] else [])
     if opt:  # the straddling document: the longest outside the subset (the first such)
         d = max(rest, key=lambda i: (docs.L[i], -i))
         rest.remove(d)
