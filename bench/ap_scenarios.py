@@ -337,7 +337,9 @@ def main() -> None:
         prof.enable()
         solve_case(cases[0], layouts=[])
         prof.disable()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        stats = pstats.Stats(prof).sort_stats("cumulative")
+        stats.print_stats(40)
+        stats.print_stats(r"(shardings|doc_packed)/", 30)  # ours: strategies, pricing, planner
         return
     results = []
     for c in cases:

@@ -479,7 +479,11 @@ def price_placement(
             except Exception:  # an op the meta device cannot run: price it by its bytes
                 f = 0
             if f:
-                shapes = [_local_shape(s) for s in in_specs[:2]]
+                shapes = [
+                    _local_shape(s)
+                    for s in in_specs
+                    if s.tensor_meta is not None and s.tensor_meta.shape.numel() > 0 and len(s.tensor_meta.shape) >= 2
+                ][:2]
                 m, k = (math.prod(shapes[0][:-1]), shapes[0][-1]) if shapes and shapes[0] else (1, 1)
                 n = max(f // max(2 * m * k, 1), 1)
                 est.matmul_us += f / (rates.matmul_tflops(m, n, k) * 1e6)
