@@ -369,7 +369,7 @@ def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple:
         # d out_i / d sink = -p_sink_i out_i and d lse_i / d sink = p_sink_i, p_sink_i = exp(sink - lse_i)
         acc = lse.dtype
         p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, Hq, S]
-        g = -(dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+        g = -(dout * out).sum(-1, dtype=acc).transpose(1, 2)  # products in out's dtype, summed in acc
         if dlse is not None:
             g = g + dlse.to(acc)
         dsinks = (p_sink * g).sum((0, 2)).to(sinks.dtype)

@@ -181,7 +181,7 @@ def _oracle_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softc
     kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, causal=causal, window_size_left=window_size_left,
               window_size_right=window_size_right)
-    CALLS.append(dict(kw, pass_="bwd", q=q, lse=lse, rest=rest))
+    CALLS.append(dict(kw, pass_="bwd", q=q, k=k, lse=lse, rest=rest))
     return math_kernel.backward(_spec_from_fa4_args(kw), dout, q, k, v, out, lse, softmax_scale)
 
 
@@ -253,6 +253,27 @@ def test_lse_is_asked_of_fa4_only_where_it_is_used(oracle_fa4, rng):
     out = dp.doc_packed_attn(q.requires_grad_(), k, v, cu, backend="fa4")
     torch.testing.assert_close(out, ref_out)
     assert [c["return_lse"] for c in oracle_fa4 if c["pass_"] == "fwd"] == [False, True, True]
+
+
+def test_hopper_gqa_backward_with_a_value_head_dim_unlike_q_runs_on_repeated_kv(oracle_fa4, monkeypatch, rng):
+    # FA4's Hopper backward asserts head_dim == head_dim_v with grouped K/V: it gets K/V repeated
+    # per q head, and the groups' gradients are summed back (exact against the oracle)
+    monkeypatch.setattr(fa4, "_gqa_backward_needs_equal_head_dims", lambda q: True)
+    S, Hq, Hkv, D, Dv = 40, 4, 2, 16, 8
+    cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S)], S, max_docs=S)
+    q = torch.randn(1, S, Hq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, S, Hkv, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, S, Hkv, Dv, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(1, S, Hq, Dv, dtype=torch.float64)
+    out = dp.doc_packed_attn(q, k, v, cu, backend="fa4")
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, _ = reference(q, k, v, cu)
+    want = torch.autograd.grad(ref_out, (q, k, v), dout)
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    (bwd,) = [c for c in oracle_fa4 if c["pass_"] == "bwd"]
+    assert bwd["k"].shape[1] == Hq  # repeated per q head
 
 
 def test_context_parallel_spec_runs_fa4_under_auto(oracle_fa4):

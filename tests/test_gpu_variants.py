@@ -150,7 +150,7 @@ def test_fa4_value_head_dim(d, dv, heads):
     from doc_packed.kernels import Variant, fa4
 
     q = torch.empty(0, heads[0], d, device="cuda", dtype=torch.bfloat16)
-    why = fa4.variant_reason(q, None, Variant(0.0, dv), heads[1])
+    why = fa4.variant_reason(q, None, Variant(0.0, dv))
     kw = {"sinks": True, "softcap": 5.0}
     if why is not None:  # forced FA4 refuses by our rule, before FA4's own assertion can fire
         with pytest.raises(ValueError, match="backend='fa4' needs"):

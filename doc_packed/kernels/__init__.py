@@ -79,7 +79,7 @@ TABLE: tuple[Backend, ...] = (
     Backend(
         "fa4",
         fa4,
-        lambda q, spec, kv, var: fa4.unsupported_reason(q, kv) or fa4.variant_reason(q, spec, var, kv),
+        lambda q, spec, kv, var: fa4.unsupported_reason(q, kv) or fa4.variant_reason(q, spec, var),
         True,
         (fa4.Unavailable,),
         True,
@@ -208,8 +208,9 @@ def _run(
     while True:
         entry = _entry(name)
         try:
-            if not need_lse and sinks is None and entry.lse_optional:
-                return getattr(entry.module, pass_)(spec, *args, need_lse=False, **kwargs)
+            if not need_lse and entry.lse_optional and (sinks is None or entry.sinks):
+                extra = {} if sinks is None else {"sinks": sinks}
+                return getattr(entry.module, pass_)(spec, *args, need_lse=False, **extra, **kwargs)
             if sinks is None:
                 return getattr(entry.module, pass_)(spec, *args, **kwargs)
             if entry.sinks:

@@ -112,11 +112,11 @@ def unsupported_reason(q: Tensor, kv_heads: int | None = None) -> str | None:
     return None
 
 
-def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant, kv_heads: int | None = None) -> str | None:
+def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant) -> str | None:
     """Why FA4 cannot run this variant (after :func:`unsupported_reason` passed): FA4 4.0.0b36's
-    head-dim pairs (``_validate_head_dims``; on Hopper its GQA backward also needs v's head dim
-    equal to q's), no per-query key intervals (prefixes), and no softcap in its Blackwell
-    backward at head dim 256. ``kv_heads`` None skips the GQA rule (not known yet)."""
+    head-dim pairs (``_validate_head_dims``), no per-query key intervals (prefixes), and no
+    softcap in its Blackwell backward at head dim 256. (Its Hopper GQA backward needs v's head
+    dim equal to q's: :func:`backward` repeats K/V heads then.)"""
     if spec is not None and spec.prefix is not None:
         return "takes no bidirectional prefixes (they need per-query key intervals: flex or math)"
     if q.device.type != "cuda":
@@ -131,11 +131,6 @@ def variant_reason(q: Tensor, spec: VarlenSpec | None, var: Variant, kv_heads: i
         if not ok:
             rule = "8..256" if major == 9 else "both <= 128, or (192, 128)"
             return f"needs head dims (q/k, v) {rule} on compute capability {major}.x, got ({d}, {dv})"
-        if major == 9 and dv != d and kv_heads is not None and kv_heads != q.shape[-2]:
-            return (
-                f"needs v's head dim equal to q/k's ({d}) with grouped K/V heads on compute capability 9.x "
-                f"(its backward asserts it), got {dv} with {q.shape[-2]} / {kv_heads} heads"
-            )
     if var.softcap and major == 10 and d == 256:
         return "takes no softcap at head dim 256 on compute capability 10.x (its backward has none)"
     return None
@@ -225,8 +220,23 @@ def backward(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` from the saved ``out`` (q's dtype) and natural-log ``lse [H_q, T_q]``
-    (which may include sink terms: FA4 then normalises ``P`` as the forward did)."""
+    (which may include sink terms: FA4 then normalises ``P`` as the forward did).
+
+    FA4's Hopper backward takes grouped K/V heads only when v's head dim equals q's: otherwise
+    it runs on K/V repeated per q head and the groups' gradients are summed (float32 inside
+    ``sum``, one rounding), so ``auto`` keeps FA4 for e.g. 192 / 128 with GQA."""
     _, bwd = _interface()
     extra = {"softcap": softcap} if softcap else {}
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and v.shape[-1] != q.shape[-1] and _gqa_backward_needs_equal_head_dims(q):
+        kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        dq, dk, dv = bwd(q, kr, vr, out, dout, lse, **_args(spec, q, scale), **extra)[:3]
+        T, Hkv = k.shape[0], k.shape[1]
+        return dq, dk.view(T, Hkv, group, -1).sum(2), dv.view(T, Hkv, group, -1).sum(2)
     dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale), **extra)[:3]
     return dq, dk, dv
+
+
+def _gqa_backward_needs_equal_head_dims(q: Tensor) -> bool:
+    """FA4 4.0.0b36's Hopper backward (``flash_bwd_sm90``: ``assert self.same_hdim_kv``)."""
+    return q.device.type == "cuda" and _capability(q.device.index if q.device.index is not None else 0)[0] == 9
