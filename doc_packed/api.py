@@ -253,18 +253,6 @@ def _variant_args(q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap
     return (cap, sinks, prefix_lens)
 
 
-def _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits) -> None:
-    """The variants context parallelism cannot run yet (every rank raises alike, before any
-    exchange: they depend on arguments every rank passes the same)."""
-    if cp_group is None:
-        return
-    for name, unsupported in (("prefix_lens", prefix_lens is not None),):
-        if unsupported:
-            raise NotImplementedError(
-                f"{name} under context parallelism (cp_group) is not supported yet (sinks, softcap, max logits and a value head dim unlike q's are)"
-            )
-
-
 def attention(
     q,
     k,
@@ -303,7 +291,6 @@ def attention(
                 reject(cp_group, err)  # the group's other ranks raise too, instead of waiting
             raise
         return in_graph_error(q, err, return_lse, return_max_logits)
-    _check_cp_variants(q, v, cp_group, softcap, prefix_lens, return_max_logits)
     if max_seqlen is not None and not torch.compiler.is_compiling():
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:

@@ -125,17 +125,6 @@ def _pad_dim(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def _reject_cp_variants(prefix_lens) -> None:
-    """The variants context parallelism cannot run yet raise, naming the variant (sinks run: their
-    term joins each query's merged row once, after the exchange; softcap runs per stage; a value
-    head dim unlike q's runs zero-padded to the wider one: exact, zeros add nothing)."""
-    if prefix_lens is not None:
-        raise NotImplementedError(
-            "prefix_lens under context parallelism (cp_group) is not supported yet: a bidirectional "
-            "prefix needs keys after the query, which the context-parallel plan does not exchange"
-        )
-
-
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sink term joins a finished row (once per query): ``lse' = logaddexp(lse, sink)`` and
     ``out' = out * exp(lse - lse')`` (``out [B, S, H, Dv]``, ``lse [B, H, S]``)."""
@@ -196,7 +185,6 @@ def _forward(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(prefix_lens)
         d, dv = q.shape[-1], v.shape[-1]
         w = max(d, dv)  # the exchange moves K and V in one buffer: one head dim, zero-padded
         out, lse = cp_attention.forward(
@@ -212,6 +200,7 @@ def _forward(
             backend,
             cp_group,
             softcap,
+            prefix_lens,
         )
         if dv < w:
             out = out[..., :dv].contiguous()
@@ -257,7 +246,6 @@ def backward_impl(
     if cp_group is not None:
         from .cp import attention as cp_attention
 
-        _reject_cp_variants(prefix_lens)
         d, dv = q.shape[-1], v.shape[-1]
         w = max(d, dv)
         dq, dk, dv_ = cp_attention.backward(
@@ -276,6 +264,7 @@ def backward_impl(
             backend,
             cp_group,
             softcap,
+            prefix_lens,
         )
         if w == d == dv:
             return dq, dk, dv_
@@ -419,9 +408,8 @@ def attn_max_logits(
     if cp_group is not None:
         from .cp import max_logits as cp_max_logits
 
-        _reject_cp_variants(prefix_lens)
         return cp_max_logits.max_logits(
-            q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap
+            q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap, prefix_lens
         )
     _check_local(q, seq_len)
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)

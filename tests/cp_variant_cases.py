@@ -25,9 +25,15 @@ def cp_variant_parity(rank, world, cases):
         q, k = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv))
         v, dout = (torch.randn(B, S, h, Dv, generator=g, dtype=torch.float64) for h in (Hkv, Hq))
         sinks = torch.randn(Hq, generator=g, dtype=torch.float64) if case.get("sinks") else None
+        prefix = None
+        if case.get("prefix"):  # a random bidirectional prefix per document slot (0 for empty ones)
+            gaps = cu.diff(dim=1)
+            prefix = (torch.rand(gaps.shape, generator=g) * (gaps + 1)).floor().to(torch.int32)
         rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
         rs = None if sinks is None else sinks.clone().requires_grad_()
-        ref_out, ref_lse, ref_max = reference(rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap, max_logits=True)
+        ref_out, ref_lse, ref_max = reference(
+            rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap, prefix_lens=prefix, max_logits=True
+        )
         wrt = (rq, rk, rv) + (() if rs is None else (rs,))
         ref_grads = torch.autograd.grad(ref_out, wrt, dout)
 
@@ -48,6 +54,7 @@ def cp_variant_parity(rank, world, cases):
             seq_len=S,
             sinks=ls,
             softcap=softcap,
+            prefix_lens=prefix,
             return_max_logits=True,
         )
         grads = torch.autograd.grad(out, (lq, lk, lv) + (() if ls is None else (ls,)), chunk(dout))
@@ -63,25 +70,6 @@ def cp_variant_parity(rank, world, cases):
             err = max(err, (dsinks - ref_grads[3]).abs().max().item())
         report.append(err)
     return report
-
-
-def cp_variant_rejected(rank, world):
-    """The variants context parallelism cannot run yet raise NotImplementedError naming them, on
-    every rank alike, before any exchange (the group stays usable: a plain call follows)."""
-    group = dist.group.WORLD
-    S = 32
-    cu = dp.cu_seqlens_from_lengths([[10, 22]], S)
-    q, k, v = (torch.randn(1, S // world, 2, 8, dtype=torch.float64) for _ in range(3))
-    msgs = []
-    for kw, vv in (({"prefix_lens": torch.tensor([[3, 0]], dtype=torch.int32)}, v),):
-        try:
-            dp.doc_packed_attn(q, k, vv, cu, cp_group=group, seq_len=S, **kw)
-            msgs.append(None)
-        except NotImplementedError as e:
-            msgs.append(str(e))
-    out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S)
-    msgs.append(tuple(out.shape))
-    return msgs
 
 
 def dtensor_variant_parity(rank, world, cases):

@@ -1,15 +1,15 @@
-"""Attention variants under context parallelism on gloo ranks: sinks (their term joins each
-query's merged row once), softcap (per stage) and D_v != D exact against the float64 oracle; the variants
-context parallelism cannot run yet (prefixes) raise NotImplementedError naming the variant on
-every rank; a value head dim unlike q's runs zero-padded (exact); max logits reduce by max over
-the ranks (one all-gather of K)."""
+"""Attention variants under context parallelism on gloo ranks, exact against the float64 oracle:
+sinks (their term joins each query's merged row once), softcap (per stage), D_v != D (zero-padded
+through the exchange), bidirectional prefixes (in the plan's pair counts and key ranges; prefix
+queries get keys after themselves) and max logits (one all-gather of K, reduced by max); and the
+same under DTensor placements."""
 
 import random
 
 import pytest
 
 from conftest import random_lengths
-from cp_variant_cases import cp_variant_parity, cp_variant_rejected, dtensor_variant_parity
+from cp_variant_cases import cp_variant_parity, dtensor_variant_parity
 
 
 def _cases(world):
@@ -48,6 +48,37 @@ def _cases(world):
             max_docs=S,
         )
     )
+    # bidirectional prefixes (random per document), alone and with every other variant
+    for window in ((-1, -1), (7, 0)):
+        out.append(
+            dict(
+                lengths=[[S], random_lengths(rng, S)],
+                S=S,
+                Hq=4,
+                Hkv=2,
+                D=8,
+                window=window,
+                prefix=True,
+                max_docs=S,
+                seed=1,
+            )
+        )
+    out.append(
+        dict(
+            lengths=[random_lengths(rng, S), [5, S - 12, 7]],
+            S=S,
+            Hq=4,
+            Hkv=1,
+            D=8,
+            Dv=4,
+            window=(-1, -1),
+            prefix=True,
+            sinks=True,
+            softcap=2.0,
+            max_docs=S,
+            seed=2,
+        )
+    )
     # one-token and zero-length documents, MQA
     out.append(
         dict(
@@ -72,12 +103,6 @@ def test_cp_sinks_and_softcap_match_oracle(run_ranks, world):
             assert err < 1e-10, f"rank {rank} case {i}: max error {err}"
 
 
-def test_cp_unsupported_variants_raise_on_every_rank(run_ranks):
-    for msgs in run_ranks(cp_variant_rejected, 2):
-        assert "prefix_lens under context parallelism" in msgs[0]
-        assert msgs[1] == (1, 16, 2, 8)
-
-
 def _dtensor_cases():
     from torch.distributed.tensor import Replicate, Shard
 
@@ -97,6 +122,7 @@ def _dtensor_cases():
         out.append(dict(base, placements=(p,), Dv=4, prefix=None))
     out.append(dict(base, placements=(Shard(1),), softcap=2.0, prefix=None))  # sequence: context parallel
     out.append(dict(base, placements=(Shard(1),), Dv=4, prefix=None))
+    out.append(dict(base, placements=(Shard(1),), Dv=4))  # prefixes under the sequence placement
     return out
 
 
@@ -149,3 +175,40 @@ def test_strategies_carry_the_variant_inputs():
         assert all(shape == torch.Size((2, 64, 4, 4)) for _, _, shape in seen.values())  # out has v's head dim
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("left", [-1, 5])
+def test_plan_counts_prefix_pairs_and_covers_their_keys(cp, left):
+    """The plan's work is the exact pair count with prefixes (the oracle's dense mask), every
+    query is planned once, and every key a planned query sees lies in its rank's key ranges."""
+    import torch
+    from oracle import dense_mask
+
+    from doc_packed._doc_layout import get_layout
+    from doc_packed._variants import prefixes
+    from doc_packed.cp.plan import build_plan
+
+    rng = random.Random(cp * 10 + left)
+    S = 96
+    rows = [random_lengths(rng, S) for _ in range(2)]
+    width = max(len(r) for r in rows) + 1
+    cu = torch.tensor(
+        [[0, *torch.tensor(r).cumsum(0).tolist()] + [S] * (width - len(r)) for r in rows], dtype=torch.int32
+    )
+    gaps = cu.diff(dim=1)
+    pl = torch.tensor([[rng.randint(0, int(n)) for n in row] for row in gaps], dtype=torch.int32)
+    layout = get_layout(cu, S)
+    plan = build_plan(layout, cp, True, left, 0, prefixes=prefixes(cu, pl))
+    masks = [dense_mask(cu[b].tolist(), S, True, (left, -1), pl[b].tolist()) for b in range(2)]
+    assert sum(plan.work) == sum(int(m.sum()) for m in masks)
+    seen = torch.zeros(2, S, dtype=torch.int64)
+    for r in range(cp):
+        for seg in plan.segments[r]:
+            seen[seg.batch, seg.start : seg.end] += 1
+            need = masks[seg.batch][seg.start : seg.end].any(0).nonzero().flatten()
+            if need.numel():
+                assert seg.key_start <= int(need.min()) and int(need.max()) < seg.key_end
+            covered = any(b == seg.batch and s <= seg.key_start and seg.key_end <= e for b, s, e in plan.kv_ranges[r])
+            assert covered or seg.key_start == seg.key_end
+    assert bool((seen == 1).all())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
 from .plan import build_plan, owner_range
@@ -47,6 +47,7 @@ def get_schedule(
     backend: str = "auto",
     pass_: str = "forward",
     softcap: float = 0.0,
+    prefix_lens: torch.Tensor | None = None,
 ) -> RankSchedule:
     """This rank's schedule for the call, once every rank of the group agreed to make it.
 
@@ -63,6 +64,7 @@ def get_schedule(
     error, schedule = None, None
     try:
         layout = get_layout(cu_seqlens, seq_len)
+        prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
         fields = {
             "cu_seqlens values": layout.derived(("cp_layout_tag",), lambda: _layout_tag(layout)),
             "seq_len": seq_len,
@@ -77,6 +79,9 @@ def get_schedule(
             "device type": q.device.type,
             "scale": scale,
             "softcap": softcap,
+            "prefix_lens": None
+            if prefixes is None
+            else layout.derived(("cp_prefix_tag", prefixes), lambda: comm.fingerprint(prefixes)[0]),
             "pass": pass_,
         }
         start, end = owner_range(seq_len, size, rank)
@@ -88,7 +93,7 @@ def get_schedule(
         if layout.batch != B:
             raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
         key = (size, rank, causal, left, right, Hq, Hkv, q.device)
-        schedule = _schedule(layout, key)
+        schedule = _schedule(layout, key, prefixes)
         if backend not in kernels.AUTO_MODES:
             _check_backend(layout, key, schedule, backend, q)
     except Exception as e:  # noqa: BLE001  (every rank must hear of it: shared below, then raised)
@@ -117,16 +122,19 @@ def _layout_tag(layout: DocLayout) -> str:
     return f"{docs} documents in {layout.batch} rows, digest {words[0] & 0xFFFFFFFFFFFF:012x}{words[1] & 0xFFFF:04x}"
 
 
-def _schedule(layout: DocLayout, key: tuple) -> RankSchedule:
-    """Plan and schedule for ``key`` = (size, rank, causal, left, right, Hq, Hkv, device): host
-    work, no collective, memoised on the layout."""
+def _schedule(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
+    """Plan and schedule for ``key`` = (size, rank, causal, left, right, Hq, Hkv, device) and
+    the bidirectional ``prefixes`` (None: none): host work, no collective, memoised on the layout."""
     size, rank, causal, left, right, Hq, Hkv, device = key
     query_cost = Hq / Hkv
+    tail = () if prefixes is None else (prefixes,)
     plan = layout.derived(
-        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE),
-        lambda: build_plan(layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE),
+        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE, *tail),
+        lambda: build_plan(
+            layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE, prefixes=prefixes
+        ),
     )
-    return layout.derived(("cp_schedule", *key), lambda: build_schedule(plan, rank, device))
+    return layout.derived(("cp_schedule", *key, *tail), lambda: build_schedule(plan, rank, device))
 
 
 def _check_backend(layout: DocLayout, key: tuple, schedule: RankSchedule, backend: str, q: torch.Tensor) -> None:
@@ -290,9 +298,22 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first
         rows[call.q_buf].write(call, o, l, first)
 
 
-def forward(q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0):
+def forward(
+    q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0, prefix_lens=None
+):
     sch = get_schedule(
-        q, k, cu_seqlens, seq_len, causal, left, right, group_name, scale=scale, backend=backend, softcap=softcap
+        q,
+        k,
+        cu_seqlens,
+        seq_len,
+        causal,
+        left,
+        right,
+        group_name,
+        scale=scale,
+        backend=backend,
+        softcap=softcap,
+        prefix_lens=prefix_lens,
     )
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
@@ -347,7 +368,22 @@ def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: t
 
 
 def backward(
-    dout, q, k, v, out, lse, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens,
+    seq_len,
+    causal,
+    left,
+    right,
+    scale,
+    backend,
+    group_name,
+    softcap=0.0,
+    prefix_lens=None,
 ):
     sch = get_schedule(
         q,
@@ -362,6 +398,7 @@ def backward(
         backend=backend,
         pass_="backward",
         softcap=softcap,
+        prefix_lens=prefix_lens,
     )
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]

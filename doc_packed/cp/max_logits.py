@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _compat, kernels
+from .. import _compat, _variants, kernels
 from .._doc_layout import get_layout
 from .._mask import key_bounds
 from .plan import chunk_len, owner_range
@@ -29,11 +29,13 @@ def _gather_rows(k: torch.Tensor, seq_len: int, group) -> torch.Tensor:
     return torch.cat(rows, 1)
 
 
-def _spec(layout, start: int, end: int, causal: bool, left: int, right: int) -> kernels.VarlenSpec:
-    """This rank's queries ``[start, end)`` of each row against the whole rows' keys."""
+def _spec(layout, start: int, end: int, causal: bool, left: int, right: int, prefixes=None) -> kernels.VarlenSpec:
+    """This rank's queries ``[start, end)`` of each row against the whole rows' keys (a query in
+    its document's bidirectional prefix sees the whole prefix)."""
     cu_q, cu_k, lo, hi = [0], [0], [], []
     for b, row in enumerate(layout.rows):
-        for s, e in row:
+        for d, (s, e) in enumerate(row):
+            plen = prefixes[b][d] if prefixes is not None else 0
             a, z = max(s, start), min(e, end)
             if a >= z:
                 continue
@@ -41,21 +43,27 @@ def _spec(layout, start: int, end: int, causal: bool, left: int, right: int) -> 
             cu_k.append(cu_k[-1] + (e - s))
             for p in range(a, z):
                 x, y = key_bounds(p - s, e - s, causal, left, right)
+                if p - s < plen:
+                    x, y = 0, max(y, plen - 1)
                 lo.append(cu_k[-2] + x)
                 hi.append(cu_k[-2] + y)
     bounds = (torch.tensor(lo, dtype=torch.int64), torch.tensor(hi, dtype=torch.int64))
     return kernels.VarlenSpec(cu_q, cu_k, causal, left, right, bounds=bounds)
 
 
-def max_logits(q, k, cu_seqlens, seq_len, causal, left, right, scale, group_name, softcap=0.0) -> torch.Tensor:
+def max_logits(
+    q, k, cu_seqlens, seq_len, causal, left, right, scale, group_name, softcap=0.0, prefix_lens=None
+) -> torch.Tensor:
     """``[H_q]`` max logits over every query of the group (the same on every rank)."""
     group = _compat.resolve_process_group(group_name)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     start, end = owner_range(seq_len, size, rank)
     layout = get_layout(cu_seqlens, seq_len)
+    prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
     full_k = _gather_rows(k, seq_len, group)
     spec = layout.derived(
-        ("cp_max_logits_spec", size, rank, causal, left, right), lambda: _spec(layout, start, end, causal, left, right)
+        ("cp_max_logits_spec", size, rank, causal, left, right, prefixes),
+        lambda: _spec(layout, start, end, causal, left, right, prefixes),
     )
     # the spec's queries: each row's local tokens that lie in a document, in row order
     q_rows, k_rows = [], []

@@ -63,6 +63,9 @@ class Segment:
     end: int
     key_start: int
     key_end: int
+    # where the document's bidirectional prefix ends (its start + prefix length; 0: none):
+    # queries before it see every key before it and nothing after (docs/contract.md section 9)
+    prefix_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,14 @@ class ContextParallelPlan:
 
 
 class _Doc:
-    __slots__ = ("start", "end", "length")
+    __slots__ = ("start", "end", "length", "prefix")
 
-    def __init__(self, start: int, end: int):
-        self.start, self.end, self.length = start, end, end - start
+    def __init__(self, start: int, end: int, prefix: int = 0):
+        self.start, self.end, self.length, self.prefix = start, end, end - start, prefix
 
 
 class _Planner:
-    def __init__(self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance):
+    def __init__(self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes=None):
         self.S, self.c = seq_len, cp_size
         self.causal, self.left, self.right = causal, left, right
         self.query_cost, self.tolerance = query_cost, tolerance
@@ -131,8 +134,8 @@ class _Planner:
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
         self.load = [0] * cp_size
         for b, docs in enumerate(layout_rows):
-            for ds, de in docs:
-                doc = _Doc(ds, de)
+            for d, (ds, de) in enumerate(docs):
+                doc = _Doc(ds, de, prefixes[b][d] if prefixes is not None else 0)
                 for r in range(ds // self.cs, (de - 1) // self.cs + 1):
                     a, e = max(ds, r * self.cs), min(de, (r + 1) * self.cs)
                     p = [b, a, e, doc, r]
@@ -146,7 +149,13 @@ class _Planner:
 
     # -- mask arithmetic -------------------------------------------------------------------
     def _prefix(self, doc: _Doc, n: int) -> int:
-        return prefix_pairs(n, doc.length, self.causal, self.left, self.right)
+        """Pairs of the document's first ``n`` queries (a bidirectional prefix of ``P`` tokens:
+        each of its queries sees ``P`` keys, the rest as the mask says)."""
+        pairs = prefix_pairs(n, doc.length, self.causal, self.left, self.right)
+        if not doc.prefix:
+            return pairs
+        m = min(n, doc.prefix)
+        return m * doc.prefix + pairs - prefix_pairs(m, doc.length, self.causal, self.left, self.right)
 
     def _work(self, doc: _Doc, a: int, e: int) -> int:
         return self._prefix(doc, e - doc.start) - self._prefix(doc, a - doc.start)
@@ -154,6 +163,8 @@ class _Planner:
     def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
         lo, _ = key_bounds(a - doc.start, doc.length, self.causal, self.left, self.right)
         _, hi = key_bounds(e - 1 - doc.start, doc.length, self.causal, self.left, self.right)
+        if a - doc.start < doc.prefix:  # prefix queries see the whole prefix, after them too
+            lo, hi = 0, max(hi, doc.prefix - 1)
         return doc.start + lo, doc.start + hi + 1
 
     def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
@@ -322,7 +333,7 @@ class _Planner:
             segs = []
             for b, a, e, doc, _ in merged:
                 ks, ke = self._key_range(doc, a, e)
-                segs.append(Segment(b, a, e, ks, ke))
+                segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
             segments.append(segs)
         work = tuple(sum(self._work(p[3], p[1], p[2]) for p in self.by_rank[r]) for r in range(self.c))
         q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
@@ -370,11 +381,13 @@ def build_plan(
     *,
     query_cost: float = 1.0,
     tolerance: float = 0.01,
+    prefixes: tuple[tuple[int, ...], ...] | None = None,
 ) -> ContextParallelPlan:
-    """Plan from a validated layout; ``left``/``right`` already normalised (right=0 if causal)."""
+    """Plan from a validated layout; ``left``/``right`` already normalised (right=0 if causal);
+    ``prefixes``: per row, each non-empty document's bidirectional prefix length (causal only)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    planner = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance)
+    planner = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
     planner.balance()
     return planner.result((left, right))
 

@@ -47,6 +47,7 @@ class _Piece:
     k0: int
     nk: int
     k_pos: int
+    full: bool = False  # every query sees every key (a bidirectional prefix's block)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, 
 
 def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, int, int]:
     """(causal, left, right) for a piece in the kernels' bottom-right-aligned convention."""
+    if p.full:
+        return False, -1, -1
     shift = (p.q_pos + p.nq) - (p.k_pos + p.nk)  # key j <= query i + shift (causal) in index terms
     if causal:
         if p.k_pos + p.nk - 1 <= p.q_pos and (left < 0 or p.k_pos >= p.q_pos + p.nq - 1 - left):
@@ -297,7 +300,16 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                 k_runs[-1] = (buf, k_runs[-1][1], k_runs[-1][2], e)
             else:
                 k_runs.append((buf, row, s, e))
+        pe = seg.prefix_end
         for qb, qr, qs, qe in q_runs:
+            if qs < pe:  # prefix queries: every key of the prefix, nothing after it
+                n = min(qe, pe) - qs
+                for kb, kr, ks, ke in k_runs:
+                    if ks < pe:
+                        pieces.append(_Piece(qb, qr, n, qs, kb, kr, min(ke, pe) - ks, ks, True))
+                qr, qs = qr + n, qs + n
+                if qs >= qe:
+                    continue
             for kb, kr, ks, ke in k_runs:
                 vis = _visible(qs, qe - qs, ks, ke - ks, causal, left, right)
                 if vis is not None:
