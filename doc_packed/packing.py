@@ -411,8 +411,6 @@ class _Packer:
         elif causal and left < 0 and last_over(z) <= 0:
             y = z  # the largest fits (the usual case): no search
         else:
-            if causal and left < 0:  # bracket it: the fill lies between 0 and its value at y = a
-                a, z = self._bracket(n, whole, cw, t, fill(cf - a), a, z)
             while a < z:
                 m = (a + z + 1) // 2
                 if last_over(m) <= 0:
@@ -427,31 +425,6 @@ class _Packer:
         score = (0 if feasible else 1, kv if feasible else worst, kv)
         memo[y_min, y_max] = (score, y)
         return score, b, lo + y - n
-
-    @staticmethod
-    def _bracket(n: int, whole: int, cw: float, t: float, fill_a: float, a: int, z: int) -> tuple[int, int]:
-        """Narrow ``[a, z]`` (``last_over(a) <= 0 < last_over(z)``, causal, no window) around
-        the largest fitting last piece ``y``: the tail's pairs ``whole - P(n - y)`` grow with
-        ``y`` and the fill of the rest is between 0 and ``fill_a``, so every ``y`` that fits
-        with ``fill_a`` fits, and none that overflows with no fill does (float sums are monotone)."""
-
-        def fits(y: int, f: float) -> bool:
-            return (cw + (whole - (n - y) * (n - y + 1) // 2) + f) / t - 1 <= 0
-
-        def largest(f: float, lo: int, hi: int) -> int:  # the largest y in [lo, hi] that fits with f (lo fits)
-            # y (2n + 1 - y) / 2 <= budget: the root of the quadratic, then a step or two either way
-            budget = t - cw - f
-            disc = (2 * n + 1) ** 2 - 8 * budget
-            y = int(((2 * n + 1) - math.sqrt(disc)) / 2) if disc >= 0 else hi
-            y = min(max(y, lo), hi)
-            while y > lo and not fits(y, f):
-                y -= 1
-            while y < hi and fits(y + 1, f):
-                y += 1
-            return y
-
-        lo = largest(fill_a, a, z)  # fits for sure
-        return lo, largest(0.0, lo, z)  # ... and nothing above the second fits
 
     # -- 2. the rest ------------------------------------------------------------------------------
     def _assign(self, docs: list[int]) -> None:
