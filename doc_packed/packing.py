@@ -149,7 +149,7 @@ def _ramp_np(n: np.ndarray, a: np.ndarray | int) -> np.ndarray:
     return np.where(m > 0, m * (m + 1) // 2, 0)
 
 
-def _prefix_pairs_np(n: np.ndarray, length: np.ndarray | int, causal: bool, left: int, right: int) -> np.ndarray:
+def _prefix_pairs_np(n: np.ndarray, length: np.ndarray, causal: bool, left: int, right: int) -> np.ndarray:
     """:func:`doc_packed._mask.prefix_pairs` of int64 arrays, elementwise (the same integers)."""
     n = np.maximum(n, 0)
     sum_lo = 0 if left < 0 else _ramp_np(n, left)
@@ -214,7 +214,6 @@ class _Packer:
         # per-column targets: the mean, less what a previous pass ended above it
         self.tg = [self.target - (shift[r] if shift else 0.0) for r in range(c)]
         self._tg_np = np.asarray(self.tg)
-        self._lo_np, self._hi_np = np.asarray(self.lo, dtype=np.int64), np.asarray(self.hi, dtype=np.int64)
         self._keys: np.ndarray | None = None  # _end_keys of every column while heavy documents are placed
         # free interval of every cell, [fs, fe), and the documents assigned to it
         self.fs = [list(self.lo) for _ in range(n_rows)]
@@ -370,19 +369,6 @@ class _Packer:
             colw, colfree, tg, lo_, hi_ = self.colw, self.colfree, self.tg, self.lo, self.hi
             r = min(s // self.cs, self.c - 1)  # the pieces, as _pieces(n, s)
             e = s + n
-            if (e - s) // self.cs >= 8:  # many pieces: the same sums, in numpy
-                rs = np.arange(r, min(self.c, (e - 1) // self.cs + 1))
-                a_, z_ = np.maximum(s, self._lo_np[rs]), np.minimum(e, self._hi_np[rs])
-                rs, a_, z_ = rs[z_ > a_], a_[z_ > a_], z_[z_ > a_]
-                piece = _prefix_pairs_np(z_ - s, n, causal, left, right) - _prefix_pairs_np(
-                    a_ - s, n, causal, left, right
-                )
-                w = np.array([colw[x] for x in rs.tolist()], dtype=np.float64)
-                free = np.array([colfree[x] for x in rs.tolist()], dtype=np.int64)
-                v = (w + piece + self._fill_np(free - (z_ - a_))) / np.maximum(self._tg_np[rs], 1.0) - 1
-                at_k = rs == k
-                last = float(v[at_k][0]) if at_k.any() else 0.0
-                return last, max(0.0, float(v[~at_k].max())) if (~at_k).any() else 0.0
             prev = prefix_pairs(max(s, lo_[r]) - s, n, causal, left, right)
             while r < self.c and lo_[r] < e:
                 a, z = max(s, lo_[r]), min(e, hi_[r])
