@@ -139,6 +139,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     tok_words, force = MODES[mode](names)
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     rates = Rates.load(rates_path)
+    layout = Layout.from_cu_seqlens(cu_host)  # real values: read before AutoParallel's fake mode
     with (
         device_name_for_cost_model(),
         dp.planning(doc_len=mean_doc),
@@ -158,7 +159,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         in_pl = solved_input_placements(autop, placement)
         predicted = price_placement(
             autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host),
-            layout=Layout.from_cu_seqlens(cu_host),
+            layout=layout,
         )  # fmt: skip
         parallel = autop.apply_placement(placement)
     plan_s = time.perf_counter() - t0
