@@ -42,13 +42,16 @@ def test_rates_file_names_its_device_and_torch():
 
 
 def test_attention_rate_is_exact_at_a_measured_point_and_bounded_between():
-    p = next(p for p in RATES.data["attention"]["fa4"] if p["seq_len"] == 65536 and p["doc_len"] == 2048)
-    assert RATES.attention_tflops("fa4", False, 2048, 65536) == p["fwd"]
+    # the measured lognormal point of longest mean documents at 64k (its mean as measured)
+    p = max((p for p in RATES.data["attention"]["fa4"] if p["seq_len"] == 65536 and p["doc_len"] < 65536),
+            key=lambda p: p["doc_len"])
+    n = p["doc_len"]
+    assert RATES.attention_tflops("fa4", False, n, 65536) == p["fwd"]
     # backward alone from fwd and fwd+bwd: 3.5 F / r_fb = F / r_f + 2.5 F / r_b
-    r_b = RATES.attention_tflops("fa4", True, 2048, 65536)
+    r_b = RATES.attention_tflops("fa4", True, n, 65536)
     assert 3.5 / p["fwd_bwd"] == pytest.approx(1 / p["fwd"] + 2.5 / r_b)
     one_doc = RATES.attention_tflops("fa4", False, 65536, 65536)
-    mid = RATES.attention_tflops("fa4", False, 8192, 65536)
+    mid = RATES.attention_tflops("fa4", False, 4 * n, 65536)
     assert p["fwd"] < mid < one_doc
     # a document longer than the row is one document
     assert RATES.attention_tflops("fa4", False, 10**9, 65536) == one_doc
