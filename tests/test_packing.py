@@ -307,6 +307,23 @@ def test_two_ranks_few_documents_get_the_best_split(seed):
         assert max(plan.kv_recv_tokens) == best
 
 
+def test_bench_bounds_hold_below_what_a_packing_reaches():
+    """bench_packing's bounds: the exact two-rank optimum equals the independent search above,
+    the fill-aware bound never exceeds it, and a document that fills the row over 2 ranks
+    cannot be balanced without moving queries (infinite bound)."""
+    from bench.bench_packing import exact_two_kv, forced_kv
+
+    S = 4096
+    for seed in range(6):
+        lengths = _uniform_rows(S, 1, random.Random(seed).choice([900, 1500, 2500]), seed)
+        best = _two_rank_optimum(lengths, S, limit=1.01)
+        assert exact_two_kv(lengths, S) == best
+        if best is not None:
+            assert forced_kv(lengths, S, 2) <= best
+    assert forced_kv([S], S, 2) == float("inf")
+    assert forced_kv([S // 2] * 2, S, 2) == 0  # one document per shard: balanced, nothing straddles
+
+
 def test_documents_of_a_whole_shard_are_placed_whole():
     """long+short over 2 ranks in 8 rows: every row holds one document of exactly a shard. Each
     must sit alone in one shard (half the rows on each rank): nothing moves, nothing straddles
