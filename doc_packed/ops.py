@@ -24,6 +24,8 @@ A gradient flowing into ``lse`` (when the caller uses it) is handled by composin
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -337,11 +339,9 @@ def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple:
         #                                                 output gradient is scale*dlse*q)
         if _arg(args, "softcap", 0.0):
             # through a cap dS_ij = p_ij dlse_i (1 - tanh_ij^2) has a per-pair slope, which the
-            # two passes below cannot express
-            raise NotImplementedError(
-                "a gradient through lse (return_lse=True and lse used in the loss) with softcap is not "
-                "supported yet; the gradient through out is"
-            )
+            # two passes below cannot express: two backwards do (see _capped_lse_grads)
+            dq2, dk2 = _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd)
+            return dq + dq2, dk + dk2, dv, _sink_grad(args, dout, out, lse, dlse)
         scale = args[FWD_ARGS.index("scale") - 4]
         w = dlse.to(lse_dtype(q.dtype)).transpose(1, 2)
         w = w[..., None]  # [B, S, Hq, 1]
@@ -352,17 +352,47 @@ def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple:
         out_g = out if out.shape == g.shape else torch.zeros_like(g)
         _, _, dk_extra = bwd(g, q, k, k, out_g, lse, cu_seqlens, *args)
         dk = dk + dk_extra
-    dsinks = None
+    return dq, dk, dv, _sink_grad(args, dout, out, lse, dlse)
+
+
+def _sink_grad(args, dout, out, lse, dlse):
+    """``dsinks`` (None without sinks): ``d out_i / d sink = -p_sink_i out_i`` and
+    ``d lse_i / d sink = p_sink_i``, with ``p_sink_i = exp(sink - lse_i)``."""
     sinks = _arg(args, "sinks", None)
-    if sinks is not None:
-        # d out_i / d sink = -p_sink_i out_i and d lse_i / d sink = p_sink_i, p_sink_i = exp(sink - lse_i)
-        acc = lse.dtype
-        p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, Hq, S]
-        g = -(dout * out).sum(-1, dtype=acc).transpose(1, 2)  # products in out's dtype, summed in acc
-        if dlse is not None:
-            g = g + dlse.to(acc)
-        dsinks = (p_sink * g).sum((0, 2)).to(sinks.dtype)
-    return dq, dk, dv, dsinks
+    if sinks is None:
+        return None
+    acc = lse.dtype
+    p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, Hq, S]
+    g = -(dout * out).sum(-1, dtype=acc).transpose(1, 2)  # products in out's dtype, summed in acc
+    if dlse is not None:
+        g = g + dlse.to(acc)
+    return (p_sink * g).sum((0, 2)).to(sinks.dtype)
+
+
+def _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd):
+    """``(dq, dk)`` of ``sum_i dlse_i lse_i`` under softcapping, where ``dS_ij = p_ij dlse_i
+    (1 - tanh_ij^2)`` (the cap's slope per pair), from two ordinary backwards.
+
+    A backward with values ``v' = e_0`` (one column of ones, padded to q's head dim so every
+    backend takes it) and output gradient ``dout'_i = dlse_i e_0`` has ``dP_ij = dlse_i`` and
+    ``dS = P' (dlse - delta) slope``. With ``lse' = lse - log a`` (so ``P' = a P``) and the output
+    that ``P'`` gives, ``out'_i = a m_i e_0`` (``m_i = 1 - p_sink_i``, the keys' share of the row),
+    every backend computes the same ``delta_i = a m_i dlse_i`` (from ``out'`` or from ``P' dP``),
+    so ``dS(a) = P dlse slope (a - m a^2)``; ``2 dS(1) - dS(2) / 2 = P dlse slope`` exactly."""
+    acc = lse.dtype
+    w = dlse.to(acc)
+    sinks = _arg(args, "sinks", None)
+    mass = -torch.expm1(sinks.to(acc)[None, :, None] - lse) if sinks is not None else torch.ones_like(lse)
+    unit = torch.cat([torch.ones_like(k[..., :1]), torch.zeros_like(k[..., 1:])], -1)
+    rest = torch.zeros_like(q[..., 1:])
+    g = torch.cat([w.transpose(1, 2)[..., None].to(q.dtype), rest], -1)
+    parts = []
+    for a in (1.0, 2.0):
+        o = torch.cat([(mass * a).transpose(1, 2)[..., None].to(q.dtype), rest], -1)
+        dq_a, dk_a, _ = bwd(g, q, k, unit, o, lse - math.log(a), cu_seqlens, *args)
+        parts.append((dq_a.to(acc), dk_a.to(acc)))
+    (dq1, dk1), (dq2, dk2) = parts
+    return (2 * dq1 - 0.5 * dq2).to(q.dtype), (2 * dk1 - 0.5 * dk2).to(k.dtype)
 
 
 def _arg(args: tuple, name: str, default):

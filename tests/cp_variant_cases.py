@@ -35,7 +35,9 @@ def cp_variant_parity(rank, world, cases):
             rq, rk, rv, cu, True, window, sinks=rs, softcap=softcap, prefix_lens=prefix, max_logits=True
         )
         wrt = (rq, rk, rv) + (() if rs is None else (rs,))
-        ref_grads = torch.autograd.grad(ref_out, wrt, dout)
+        wl = torch.randn(ref_lse.shape, generator=g, dtype=torch.float64) if case.get("lse_loss") else None
+        ref_loss = (ref_out * dout).sum() + (0 if wl is None else (ref_lse * wl).sum())
+        ref_grads = torch.autograd.grad(ref_loss, wrt)
 
         def chunk(t):
             parts = t.chunk(world, dim=1)
@@ -57,7 +59,8 @@ def cp_variant_parity(rank, world, cases):
             prefix_lens=prefix,
             return_max_logits=True,
         )
-        grads = torch.autograd.grad(out, (lq, lk, lv) + (() if ls is None else (ls,)), chunk(dout))
+        loss = (out * chunk(dout)).sum() + (0 if wl is None else (lse * wl.chunk(world, dim=2)[rank]).sum())
+        grads = torch.autograd.grad(loss, (lq, lk, lv) + (() if ls is None else (ls,)))
         err = max(
             (out - chunk(ref_out)).abs().max().item(),
             (lse - ref_lse.chunk(world, dim=2)[rank]).abs().max().item(),

@@ -79,6 +79,26 @@ def _cases(world):
             seed=2,
         )
     )
+    # a gradient through lse too (softcap: two extra backwards, each rank's share)
+    out.append(
+        dict(
+            lengths=[[S], random_lengths(rng, S)],
+            S=S,
+            Hq=4,
+            Hkv=2,
+            D=8,
+            window=(-1, -1),
+            sinks=True,
+            softcap=2.0,
+            prefix=True,
+            lse_loss=True,
+            max_docs=S,
+            seed=3,
+        )
+    )
+    out.append(
+        dict(lengths=[random_lengths(rng, S)], S=S, Hq=2, Hkv=2, D=8, window=(4, 0), lse_loss=True, max_docs=S, seed=4)
+    )
     # one-token and zero-length documents, MQA
     out.append(
         dict(
