@@ -61,6 +61,7 @@ def _case(name, mesh, names, B, S, doc, model="e2e", inputs=None):
 K = 1024
 CASES = [
     # the case: (cp 2, tp 2), B 1, 64k lognormal 2k, inputs (Shard(1), Replicate)
+    # (order: as run for docs/scenarios.md)
     _case("cp2tp2-64k", (2, 2), ("cp", "tp"), 1, 64 * K, 2048, inputs="SR"),
     _case("cp2tp2-64k-free-inputs", (2, 2), ("cp", "tp"), 1, 64 * K, 2048),
     _case("cp2tp2-16k-narrow", (2, 2), ("cp", "tp"), 1, 16 * K, 2048, "narrow", inputs="SR"),
@@ -177,7 +178,7 @@ def solve_case(
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(device_name_for_cost_model())
-        stack.enter_context(dp.planning(doc_len=case.doc_len))
+        stack.enter_context(dp.planning(doc_len=case.doc_len or None))  # None: one document per row
         if our_pricing:
             stack.enter_context(pricing(mesh, rates=rates, gpus_per_host=case.gpus_per_host))
         else:
@@ -351,23 +352,30 @@ def main() -> None:
             f"{r.best.step.ms:.1f} ms, ratio {r.free_vs_best:.3f} (trace {r.trace_s:.0f} s, all {time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
+        if args.json:  # after every case: a long matrix keeps what it finished
+            _write_json(args.json, results, peak)
     print(table(results, peak))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                [
-                    dict(
-                        case=r.case.__dict__,
-                        free=dict(layout=r.free.layout, ms=r.free.step.ms, objective=r.free.objective),
-                        forced=[dict(layout=s.forced, ms=s.step.ms, objective=s.objective) for s in r.forced],
-                        free_vs_best=r.free_vs_best,
-                        mfu=r.free.step.mfu(peak),
-                    )
-                    for r in results
-                ],
-                f,
-                indent=1,
-            )
+
+
+def _write_json(path: str, results: list[CaseResult], peak: float) -> None:
+    def solved(s: Solved) -> dict:
+        return dict(
+            forced=s.forced, layout=s.layout, ms=s.step.ms, step=str(s.step), objective=s.objective, solve_s=s.solve_s
+        )
+
+    rows = [
+        dict(
+            case=r.case.__dict__,
+            free=solved(r.free),
+            forced=[solved(s) for s in r.forced],
+            free_vs_best=r.free_vs_best,
+            mfu=r.free.step.mfu(peak),
+            trace_s=r.trace_s,
+        )
+        for r in results
+    ]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
