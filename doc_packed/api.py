@@ -213,8 +213,8 @@ def doc_packed_attn(
             a left window limits only queries after the prefix.
         return_max_logits: also return the ``[H_q]`` max logits (float32; float64 for float64
             inputs), the largest visible scaled post-softcap logit per head over every query
-            (MagiAttention's, for clipping q/k weights). No gradient; costs one extra
-            ``Q K^T`` pass.
+            (MagiAttention's, for clipping q/k weights). No gradient; costs one extra pass
+            (flex's forward with its row max where flex runs, else the math kernel's ``Q K^T``).
 
     ``v`` may have its own head dim ``D_v`` (e.g. 192 / 128): ``out`` is then ``[B, S, H_q, D_v]``.
 
@@ -319,7 +319,7 @@ def attention(
         cap = variant[0] if variant else 0.0
         pl = variant[2] if variant else None
         m = torch.ops.doc_packed.attn_max_logits(
-            q.detach(), k.detach(), cu_seqlens, seq_len, causal, left, right, scale, group_name, cap, pl
+            q.detach(), k.detach(), cu_seqlens, seq_len, causal, left, right, scale, group_name, cap, pl, backend
         )
         result = (*result, m)
     return result if len(result) > 1 else out

@@ -88,6 +88,7 @@ MAX_ARGS: tuple[str, ...] = (
     "cp_group",
     "softcap",
     "prefix_lens",
+    "backend",
 )
 
 
@@ -428,11 +429,22 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
     mutates_args=(),
     schema=(
         "(Tensor q, Tensor k, Tensor cu_seqlens, int seq_len, bool causal, int window_left, int window_right, "
-        "float scale, str? cp_group, float softcap=0.0, Tensor? prefix_lens=None) -> Tensor"
+        "float scale, str? cp_group, float softcap=0.0, Tensor? prefix_lens=None, str backend='auto') -> Tensor"
     ),
 )
 def attn_max_logits(
-    q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap=0.0, prefix_lens=None
+    q,
+    k,
+    cu_seqlens,
+    seq_len,
+    causal,
+    window_left,
+    window_right,
+    scale,
+    cp_group,
+    softcap=0.0,
+    prefix_lens=None,
+    backend="auto",
 ) -> torch.Tensor:
     """``[H_q]`` max logits (no gradient): the largest visible scaled, softcapped logit per head."""
     if cp_group is not None:
@@ -443,7 +455,7 @@ def attn_max_logits(
         )
     _check_local(q, seq_len)
     spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
-    return kernels.max_logits(spec, _flat(q), _flat(k), scale, softcap)
+    return kernels.max_logits(spec, _flat(q), _flat(k), scale, softcap, backend)
 
 
 @attn_max_logits.register_fake

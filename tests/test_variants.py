@@ -347,7 +347,7 @@ def test_opcheck_variants():
     prefix = torch.tensor(PREFIX, dtype=torch.int32)
     args = (q, k, v, cu, S, True, -1, 0, 0.3, "auto", None, 0, None, 2.0, sinks, prefix)
     opcheck(torch.ops.doc_packed.attn_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    margs = (q, k, cu, S, True, -1, 0, 0.3, None, 2.0, prefix)
+    margs = (q, k, cu, S, True, -1, 0, 0.3, None, 2.0, prefix, "auto")
     opcheck(torch.ops.doc_packed.attn_max_logits.default, margs, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -381,6 +381,9 @@ def test_flex_softcap_prefix_value_dim_on_cpu(dv):
     want = mk.backward(spec, dout, q, k, v, ref_out, ref_lse, 0.3, 1.5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # max logits from flex's row max (OUTPUT_MAX, log2 units inside flex)
+    got_max = flex.max_logits(spec, q, k, 0.3, 1.5, compile_graph=False)
+    torch.testing.assert_close(got_max, mk.max_logits(spec, q, k, 0.3, 1.5), atol=1e-5, rtol=1e-5)
 
 
 def test_env_says_which_backend_runs_each_variant_and_why():

@@ -249,9 +249,22 @@ def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, backend: s
     return _run("backward", backend, spec, q, k.shape[1], (dout, q, k, v, out, lse, scale), Variant.of(q, v, softcap))
 
 
-def max_logits(spec: VarlenSpec, q, k, scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """``[H_q]`` max logits of a packed problem (one extra ``Q K^T`` pass of the math kernel, on
-    any device: no fused kernel returns them yet; docs/kernels.md)."""
+def max_logits(spec: VarlenSpec, q, k, scale: float, softcap: float = 0.0, backend: str = "auto") -> torch.Tensor:
+    """``[H_q]`` max logits of a packed problem, one extra pass: flex's forward with its row max
+    (``OUTPUT_MAX``) where flex takes the problem (``auto`` on a local call, or forced), else
+    the math kernel's blockwise ``Q K^T`` (any device; docs/kernels.md)."""
     if spec.total_q == 0:
         return torch.full((q.shape[1],), -float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    # "flex max logits" broken (e.g. a torch whose flex returns no row max) leaves flex's
+    # attention passes alone: only this pass falls back to the math kernel
+    use_flex = backend == "flex" or (
+        backend == "auto" and spec.row_len is not None and not {"flex", "flex max logits"} & _broken.keys()
+    )
+    if use_flex and flex.unsupported_reason(q, flex.problem_rows(spec)) is None:
+        try:
+            return flex.max_logits(spec, q, k, scale, softcap)
+        except flex.CompileError as err:
+            if backend == "flex":
+                raise
+            _broken["flex max logits"] = err
     return math.max_logits(spec, q, k, scale, softcap)

@@ -320,6 +320,35 @@ def forward(spec: VarlenSpec, q, k, v, scale: float, softcap: float = 0.0, *, co
     return out, (lse2 * _LN2).transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def max_logits(spec: VarlenSpec, q, k, scale: float, softcap: float = 0.0, *, compile_graph: bool | None = None):
+    """``[H_q]`` max logits (float32): one flex forward that writes each row's running max
+    (``OUTPUT_MAX``, log2 units inside flex) against a 16-wide zero value (the cheapest ``P V``
+    flex takes); rows that see nothing give -inf."""
+    compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
+    mask = block_mask(spec, q.device)
+    v = q.new_zeros((k.shape[0], k.shape[1], 16))
+    q4, k4, v4 = _views(spec, q, k, v)
+
+    def make_fn():
+        flex_hop = _compat.flex_attention_hop()
+        opts = dict(_kernel_options())
+        opts["OUTPUT_MAX"] = True
+
+        def run(q4, k4, v4, lo, hi, *bt):
+            _, _, row_max, *_ = flex_hop(q4, k4, v4, score_mod(softcap), mask.rebuild(bt), scale, opts, (), (lo, hi))
+            return row_max
+
+        return run
+
+    row_max = _run_pass(
+        _key("max", spec, q, k, scale, mask, compile_graph, v, softcap),
+        (q4, k4, v4, mask.lo, mask.hi, *mask.tensors),
+        make_fn,
+        compile_graph,
+    )  # [B, H_q, L] in log2 units
+    return row_max.amax((0, 2)).float() * _LN2
+
+
 def backward(spec: VarlenSpec, dout, q, k, v, out, lse, scale: float, softcap: float = 0.0, *, compile_graph=None):
     """``(dq, dk, dv)`` from the saved ``out`` and natural-log ``lse [H_q, T_q]``."""
     compile_graph = q.device.type == "cuda" if compile_graph is None else compile_graph
