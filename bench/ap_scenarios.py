@@ -38,7 +38,14 @@ from doc_packed.examples import Transformer, training_flops  # noqa: E402
 # CPU solve stays short (AutoParallel solves repeated layers once; the choice is per layer)
 E2E = dict(vocab=8192, dim=2048, n_heads=16, n_kv_heads=4, n_layers=1)
 NARROW = dict(vocab=8192, dim=1024, n_heads=8, n_kv_heads=2, n_layers=2)
-MODELS = {"e2e": E2E, "narrow": NARROW, "e2e4": dict(E2E, n_layers=4)}
+BIG = dict(vocab=32000, dim=4096, n_heads=32, n_kv_heads=8, n_layers=1)  # tests/test_autoparallel.py's
+MODELS = {
+    "e2e": E2E,
+    "narrow": NARROW,
+    "e2e4": dict(E2E, n_layers=4),
+    "big": BIG,
+    "big12": dict(BIG, dim=1536, n_heads=12, n_kv_heads=3),
+}
 
 
 @dataclass(frozen=True)
