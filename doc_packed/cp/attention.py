@@ -228,22 +228,34 @@ class _Rows:
         if self.out is None:
             self._init()
         assert self.out is not None and self.lse is not None
-        rows = call.rows + call.q0
-        o_new, l_new = o.index_select(0, call.rows), l.index_select(1, call.rows)
+        # most calls compute every row of their slice (the rows are distinct, so the set is the
+        # slice): read and write it as a slice, no index kernels
+        full = call.n_rows == call.q1 - call.q0
+        sl = slice(call.q0, call.q1)
+        rows = None if full else call.rows + call.q0
+        o_new, l_new = (o, l) if full else (o.index_select(0, call.rows), l.index_select(1, call.rows))
         if first:
-            self.out.index_copy_(0, rows, o_new)
-            self.lse.index_copy_(1, rows, l_new)
+            self._put(sl, rows, o_new, l_new)
             return
         # few ops on purpose: a context-parallel rank is host-bound at CP >= 4 (section 9 of
         # docs/benchmarks.md), and each op here costs a launch
         acc = kernels.lse_dtype(self.dtype)
-        l_old = self.lse.index_select(1, rows)
+        l_old = self.lse[:, sl] if rows is None else self.lse.index_select(1, rows)
+        o_old = self.out[sl] if rows is None else self.out.index_select(0, rows)
         lse = torch.logaddexp(l_old, l_new)  # -inf where neither saw a key; NaN stays NaN
         # each side's weight exp(l - lse) ([2, H, n]); 0 on rows that saw no key at all
         w = torch.where(torch.isneginf(lse), 0.0, torch.exp(torch.stack([l_old, l_new]) - lse)).transpose(1, 2)
-        merged = torch.addcmul(o_new.to(acc) * w[1, ..., None], self.out.index_select(0, rows).to(acc), w[0, ..., None])
-        self.out.index_copy_(0, rows, merged.to(self.dtype))
-        self.lse.index_copy_(1, rows, lse)
+        merged = torch.addcmul(o_new.to(acc) * w[1, ..., None], o_old.to(acc), w[0, ..., None])
+        self._put(sl, rows, merged.to(self.dtype), lse)
+
+    def _put(self, sl: slice, rows: torch.Tensor | None, o: torch.Tensor, l: torch.Tensor) -> None:
+        assert self.out is not None and self.lse is not None
+        if rows is None:
+            self.out[sl] = o
+            self.lse[:, sl] = l
+        else:
+            self.out.index_copy_(0, rows, o)
+            self.lse.index_copy_(1, rows, l)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out is None:
@@ -269,7 +281,7 @@ class _Grad:
         part = part.to(self.dtype)
         # one add per element and call (the rows are distinct), so adding in the gradient's dtype
         # rounds exactly as a float32 sum cast back would; few ops: the rank is host-bound
-        if rows is None:
+        if rows is None or rows.numel() == part.shape[0]:  # every row of the part: a slice
             self.t[r0 : r0 + part.shape[0]] += part
         else:
             self.t.index_add_(0, rows + r0, part.index_select(0, rows))
