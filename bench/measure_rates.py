@@ -147,21 +147,25 @@ def main() -> None:
         base = json.load(f)
     sizes = [16384, 65536] if args.quick else [int(s) for s in args.sizes.split(",")]
     tokens = [16384, 65536] if args.quick else [8192, 16384, 32768, 65536]
-    attention, calls = {}, {}
+    # backends not measured in this run keep the base file's points (split a long run by backend)
+    attention, calls = dict(base["attention"]), dict(base["attention_call_us"].get("per_backend", {}))
+    measured = []
     for backend in args.backends.split(","):
         pts = attention_points(backend, sizes, args.iters)
         if pts:
             attention[backend] = pts
             calls[backend] = call_cost_us(backend)
-    first = next(iter(calls), None)
+            measured.append(backend)
+    first = next((b for b in base.get("backend_order", []) if b in calls), next(iter(calls), None))
     data = dict(base)
     data.update(
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         date=datetime.date.today().isoformat(),
-        source=f"bench/measure_rates.py {' '.join(sys.argv[1:])}; collectives and cp_exchange_fixed_us from {args.base}",
+        source=f"bench/measure_rates.py {' '.join(sys.argv[1:])} (measured: {', '.join(measured)}); other backends,"
+        f" collectives and cp_exchange_fixed_us from {args.base}",
         attention=attention,
-        attention_call_us=dict(calls[first], per_backend=calls) if first else base["attention_call_us"],
+        attention_call_us=dict(calls[first], per_backend=calls) if first in calls else base["attention_call_us"],
         backend_order=[b for b in base.get("backend_order", []) if b in attention] or list(attention),
         matmul=dict(default_tflops=None, points=matmul_points(tokens, args.iters), note="measured: [m, k] @ [k, n]"),
         hbm_gbps=hbm_gbps(),
