@@ -245,6 +245,9 @@ def doc_packed_attn(
 def _variant_args(q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap, prefix_lens, return_max_logits):
     """The variants' checks (metadata only): the op's trailing ``(softcap, sinks, prefix_lens)``,
     empty for a plain call so it runs exactly as before."""
+    if sinks is None and softcap is None and prefix_lens is None and return_max_logits is False:
+        if backend in kernels.AUTO_MODES or v.shape[-1] == q.shape[-1]:
+            return ()  # the plain call (a forced backend was checked with it in _validated)
     cap = check_variants(q, cu_seqlens, causal, sinks, softcap, prefix_lens, return_max_logits)
     if backend not in kernels.AUTO_MODES and not torch.compiler.is_compiling():
         kernels.check_backend(backend, q, k.shape[2], kernels.Variant.of(q, v, cap))
