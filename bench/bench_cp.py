@@ -8,12 +8,17 @@ forward+backward (and forward alone) of:
 - ``all-gather``: the common baseline (torch CP / torchtitan style): head-tail (zigzag)
   sharding of each row into 2c chunks for balance, K and V all-gathered before the local flash
   call, dK/dV reduce-scattered after; written in this script.
-It reports per-rank bytes received per layer (forward), speedups over one GPU, the plan's
-balance, and bf16 parity of our CP output and gradients against the one-GPU op.
+It reports per-rank bytes received per layer (forward), speedups over one GPU and per-GPU
+efficiency (one GPU / (c x ours)), the plan's balance, bf16 parity of our CP output and
+gradients against the one-GPU op, which kernel the one-GPU op ran, and (``--profile``) a
+torch.profiler split of each rank's forward+backward: attention kernels, copies, communication,
+other, and how much of the communication ran while no compute kernel did (exposed).
 
 Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]
-[--packing greedy|cp|both]`` (``cp``: the same lognormal documents in CP-aware order,
-``doc_packed.pack_order``; the layout is then named "lognormal 2k cp-packed").
+[--packing greedy|cp|both] [--means 2048,512] [--one-doc-max 262144] [--profile]`` (``cp``: the
+same lognormal documents in CP-aware order, ``doc_packed.pack_order``; the layout is then named
+"lognormal 2k cp-packed"). The all-gather baseline runs on the kernel ``backend="auto"`` picks
+for its (non-local) calls: FA4 on Hopper where installed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import time
 
@@ -32,11 +38,12 @@ import doc_packed as dp
 from doc_packed.examples import random_attention_problem
 from doc_packed.layout import lognormal_lengths
 from doc_packed import kernels
+from doc_packed.env import backend_for
 from doc_packed.kernels import VarlenSpec
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
-BACKEND = "flash"  # --cpu-dry-run switches to the exact CPU kernel, gloo and float32
+BACKEND = "auto"  # --cpu-dry-run switches to the exact CPU kernel, gloo and float32
 
 
 def _sync():
@@ -131,23 +138,98 @@ def _recv_bytes(plan, r: int, kv_bytes: int) -> int:
 # ----------------------------------------------------------------------------- worker
 
 
-def layouts(S: int, world: int, packing: str) -> list[tuple[str, list[int]]]:
-    """(name, segment lengths of the row) to time. ``packing``: ``greedy`` keeps the drawn
+def layouts(S: int, world: int, packing: str, means: list[int], one_doc_max: int) -> list[tuple[str, list[int]]]:
+    """(name, segment lengths of the row) to time: one document (up to ``one_doc_max``), then
+    lognormal documents of each mean in ``means``. ``packing``: ``greedy`` keeps the drawn
     order (first-fit of one row), ``cp`` reorders the same documents with
     ``doc_packed.pack_order(..., cp_size=world)``, ``both`` times each."""
-    drawn = lognormal_lengths(S, 2048, seed=S)
-    out = [("one doc", [S])]
-    if packing in ("greedy", "both"):
-        out.append(("lognormal 2k", drawn))
-    if packing in ("cp", "both"):
-        order = dp.pack_order(drawn, S, cp_size=world)
-        assert len(order.lengths) == 1, "one row of documents packs into one row"
-        out.append(("lognormal 2k cp-packed", order.lengths[0]))
+    out = [("one doc", [S])] if S <= one_doc_max else []
+    for mean in means:
+        drawn = lognormal_lengths(S, mean, seed=S)
+        name = f"lognormal {mean // 1024}k" if mean % 1024 == 0 else f"lognormal {mean}"
+        if packing in ("greedy", "both"):
+            out.append((name, drawn))
+        if packing in ("cp", "both"):
+            order = dp.pack_order(drawn, S, cp_size=world)
+            assert len(order.lengths) == 1, "one row of documents packs into one row"
+            out.append((f"{name} cp-packed", order.lengths[0]))
+    return out
+
+
+_ATTN = re.compile(r"flash|fmha|attn|attention|cutlass|Sm90|Sm100", re.I)
+_COMM = re.compile(r"nccl", re.I)
+_COPY = re.compile(r"copy|cat|index|gather|scatter", re.I)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of ``spans`` (a union) not covered by ``cover`` (a union)."""
+    left, j = 0.0, 0
+    for a, b in spans:
+        covered = 0.0
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            covered += min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
+        left += (b - a) - covered
+    return left
+
+
+def profile_split(fn, iters: int = 3) -> dict:
+    """torch.profiler over ``iters`` calls of ``fn``: CUDA kernel ms per call by kind (attention,
+    copies, communication, other), the GPU's busy span, and the communication that ran while no
+    compute kernel did (exposed). NCCL kernels include the time they wait for peers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU dry run profiles host ops
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA if on == "cuda" else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        _sync()
+    kinds: dict[str, list[tuple[float, float]]] = {"attention": [], "copy": [], "comm": [], "other": []}
+    for e in prof.events():
+        if on not in str(getattr(e, "device_type", "")).lower() or e.time_range.elapsed_us() <= 0:
+            continue
+        span = (float(e.time_range.start), float(e.time_range.end))
+        kind = "comm" if _COMM.search(e.name) else "attention" if _ATTN.search(e.name) else "copy" if _COPY.search(e.name) else "other"
+        kinds[kind].append(span)
+    out = {f"{k}_ms": round(sum(b - a for a, b in v) / 1e3 / iters, 3) for k, v in kinds.items()}
+    compute = _union(kinds["attention"] + kinds["copy"] + kinds["other"])
+    comm = _union(kinds["comm"])
+    every = _union([s for v in kinds.values() for s in v])
+    out["busy_ms"] = round(_length(every) / 1e3 / iters, 3)
+    out["exposed_comm_ms"] = round(_minus(comm, compute) / 1e3 / iters, 3)
     return out
 
 
 def worker(
-    rank: int, world: int, port: int, sizes: list[int], out_path: str | None, quick: bool, dry: bool, packing: str = "greedy"
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    out_path: str | None,
+    quick: bool,
+    dry: bool,
+    packing: str = "greedy",
+    means: tuple[int, ...] = (2048,),
+    one_doc_max: int = 1 << 62,
+    profiling: bool = False,
 ):
     global BACKEND, DTYPE, HQ, HKV, D
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -162,7 +244,7 @@ def worker(
     group = dist.group.WORLD
     rows = []
     for S in sizes:
-        for name, lengths in layouts(S, world, packing):
+        for name, lengths in layouts(S, world, packing, list(means), one_doc_max):
             big = S >= 131072 and name == "one doc"
             warm, iters = (1, 2) if big or quick else (2, 5)
             q, k, v, dout, cu = random_attention_problem(lengths, S, (HQ, HKV), D, DTYPE, dev, seed=1)
@@ -214,6 +296,7 @@ def worker(
             res = {"S": S, "layout": name, "docs": len(lengths), "gpus": world, "packing": "cp" if "cp-packed" in name else "greedy"}
             # every rank times the whole problem on its own GPU (they run side by side)
             res["one_gpu"] = {"fwd_ms": time_ms(lambda: one_gpu(False), warm, iters), "fwdbwd_ms": time_ms(lambda: one_gpu(True), warm, iters)}
+            res["one_gpu"]["kernel"] = backend_for(q, k, cu)
             res["ours"] = {"fwd_ms": time_ms(lambda: ours(False), warm, iters), "fwdbwd_ms": time_ms(lambda: ours(True), warm, iters)}
             res["allgather"] = {"fwd_ms": time_ms(lambda: allgather(False), warm, iters), "fwdbwd_ms": time_ms(lambda: allgather(True), warm, iters)}
             # keep-vs-refetch: what the backward's second exchange costs, and what keeping the
@@ -235,6 +318,11 @@ def worker(
                     got.append(comm.all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group.group_name))
                 return got
 
+            if profiling:
+                split = profile_split(lambda: ours(True))
+                every: list = [None] * world
+                dist.all_gather_object(every, split)
+                res["ours"]["profile"] = every
             res["ours"]["refetch_ms"] = time_ms(refetch, warm, iters)
             res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
             plan = dp.plan_context_parallel(cu.cpu(), world, query_cost=HQ / HKV)
@@ -268,18 +356,38 @@ def worker(
                 rows.append(res)
     if rank == 0:
         device = "CPU dry run" if dry else f"{world} x {torch.cuda.get_device_name()}"
-        print(f"\ndevice: {device}  torch {torch.__version__}  {DTYPE} Hq={HQ} Hkv={HKV} D={D} B=1")
-        print("| S | layout | 1 GPU f+b ms | ours f+b ms | speedup | all-gather f+b ms | speedup | ours/all-gather | ours MB in | all-gather MB in | imbalance | max rel err | refetch ms | keep MB |")
-        print("|" + "---|" * 14)
+        try:
+            from importlib.metadata import version
+
+            fa4 = f"  flash-attn-4 {version('flash-attn-4')}"
+        except Exception:
+            fa4 = "  flash-attn-4 absent"
+        print(f"\ndevice: {device}  torch {torch.__version__}{fa4}  {DTYPE} Hq={HQ} Hkv={HKV} D={D} B=1")
+        print("| S | layout | 1 GPU kernel | 1 GPU f+b ms | ours f+b ms | speedup | per GPU | all-gather f+b ms | per GPU | ours/all-gather | ours fwd per GPU | ours MB in | all-gather MB in | imbalance | max rel err | refetch ms | keep MB |")
+        print("|" + "---|" * 17)
         for r in rows:
             o, a, s1 = r["ours"], r["allgather"], r["one_gpu"]
             print(
-                f"| {r['S'] // 1024}k | {r['layout']} | {s1['fwdbwd_ms']:.1f} | {o['fwdbwd_ms']:.1f} | "
-                f"{s1['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {a['fwdbwd_ms']:.1f} | {s1['fwdbwd_ms'] / a['fwdbwd_ms']:.2f}x | "
-                f"{a['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {o['recv_MB_fwd']:.0f} | {a['recv_MB_fwd']:.0f} | "
+                f"| {r['S'] // 1024}k | {r['layout']} | {s1['kernel']} | {s1['fwdbwd_ms']:.1f} | {o['fwdbwd_ms']:.1f} | "
+                f"{s1['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {s1['fwdbwd_ms'] / (world * o['fwdbwd_ms']):.3f} | "
+                f"{a['fwdbwd_ms']:.1f} | {s1['fwdbwd_ms'] / (world * a['fwdbwd_ms']):.3f} | "
+                f"{a['fwdbwd_ms'] / o['fwdbwd_ms']:.2f}x | {s1['fwd_ms'] / (world * o['fwd_ms']):.3f} | "
+                f"{o['recv_MB_fwd']:.0f} | {a['recv_MB_fwd']:.0f} | "
                 f"{r['plan']['imbalance']:.3f} | {max(r['parity_rel'].values()):.1e} | "
                 f"{o['refetch_ms']:.2f} | {o['keep_MB']:.0f} |"
             )
+        if any("profile" in r["ours"] for r in rows):
+            print("\nours, forward+backward per rank (torch.profiler, CUDA kernels, ms per call; comm includes waiting for peers)")
+            print("| S | layout | rank | wall ms | busy ms | attention | copies | comm | other | exposed comm | exposed / wall |")
+            print("|" + "---|" * 11)
+            for r in rows:
+                for i, p in enumerate(r["ours"].get("profile") or []):
+                    wall = r["ours"]["fwdbwd_ms"]
+                    print(
+                        f"| {r['S'] // 1024}k | {r['layout']} | {i} | {wall:.2f} | {p['busy_ms']:.2f} | {p['attention_ms']:.2f} | "
+                        f"{p['copy_ms']:.2f} | {p['comm_ms']:.2f} | {p['other_ms']:.2f} | {p['exposed_comm_ms']:.2f} | "
+                        f"{p['exposed_comm_ms'] / wall:.1%} |"
+                    )
         if out_path:
             with open(out_path, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -298,12 +406,20 @@ def main():
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
         help="document order of the lognormal row: as drawn (greedy), CP-aware (doc_packed.pack_order with cp_size=--gpus), or both",
     )
+    ap.add_argument("--means", default="2048", help="lognormal mean document lengths, e.g. 2048,512")
+    ap.add_argument("--one-doc-max", type=int, default=1 << 62, help="time the one-document row only up to this S")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler split of our forward+backward on every rank")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
+    means = tuple(int(x) for x in args.means.split(","))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run, args.packing), nprocs=args.gpus)
+    mp.spawn(
+        worker,
+        args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run, args.packing, means, args.one_doc_max, args.profile),
+        nprocs=args.gpus,
+    )
 
 
 if __name__ == "__main__":
