@@ -55,13 +55,14 @@ def _fresh_caches():
 
 @pytest.fixture
 def run_ranks(tmp_path):
-    """``run_ranks(fn, world_size, *args, timeout=...)``: ``fn(rank, world_size, *args)`` on
-    ``world_size`` gloo ranks (spawned processes), returning their results by rank; see
-    dist_utils.py for the timeouts and what a failure reports. ``fn`` must be a module-level
-    function. Each call's rank files (tracebacks, stacks) stay under the test's ``tmp_path``."""
+    """``run_ranks(fn, world_size, *args, timeout=..., backend="gloo")``: ``fn(rank, world_size,
+    *args)`` on ``world_size`` gloo ranks (spawned processes; ``backend="nccl"``: NCCL ranks, one
+    GPU each), returning their results by rank; see dist_utils.py for the timeouts and what a
+    failure reports. ``fn`` must be a module-level function. Each call's rank files (tracebacks,
+    stacks) stay under the test's ``tmp_path``."""
 
-    def run(fn, world_size, *args, timeout=dist_utils.DEFAULT_TIMEOUT):
+    def run(fn, world_size, *args, timeout=dist_utils.DEFAULT_TIMEOUT, backend="gloo"):
         workdir = tempfile.mkdtemp(prefix=f"{fn.__name__}-", dir=tmp_path)
-        return dist_utils.run_ranks(fn, world_size, *args, timeout=timeout, workdir=workdir)
+        return dist_utils.run_ranks(fn, world_size, *args, timeout=timeout, workdir=workdir, backend=backend)
 
     return run

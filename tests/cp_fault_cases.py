@@ -1,9 +1,17 @@
-"""Rank bodies for the context-parallel fault suite (tests/test_cp_faults.py; module level so
-spawn can import them). Each returns plain data (errors, messages, counts) for the test to check."""
+"""Rank bodies for the context-parallel fault suite (tests/test_cp_faults.py on gloo ranks,
+tests/test_cp_faults_nccl.py on NCCL ranks; module level so spawn can import them). Each returns
+plain data (errors, messages, counts) for the test to check.
+
+Data is made on the CPU (seeded, so the same on every rank and backend) in :data:`DTYPE` and
+moved to the rank's device (``dist_utils.DEVICE``: cpu on gloo, ``cuda:<rank>`` on NCCL); the
+float64 oracle runs on the CPU. :func:`configured` sets :data:`DTYPE` (float32 on CUDA, where the
+package takes no float64). :func:`count_collectives` and :func:`companion_group` are gloo-only:
+they patch the agreement's channel and time CPU collectives on the group itself."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 
@@ -11,16 +19,34 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+import dist_utils
 import doc_packed as dp
 from doc_packed import _doc_layout
 from doc_packed.cp import attention, comm
 from oracle import reference
 
 GROUP = None  # the group the bodies use (WORLD unless a body sets it)
+DTYPE = torch.float64  # the bodies' q, k, v (a case's "dtype" overrides it)
 
 
 def _group():
     return GROUP if GROUP is not None else dist.group.WORLD
+
+
+def _device() -> torch.device:
+    return dist_utils.DEVICE
+
+
+def configured(rank, world, dtype, fn, *args):
+    """``fn(rank, world, *args)`` with the bodies' data in ``dtype``."""
+    global DTYPE
+    DTYPE = dtype
+    return fn(rank, world, *args)
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the rank's device (a copy on the CPU too: a leaf of its own)."""
+    return t.to(_device(), copy=True)
 
 
 def _shard(t: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
@@ -29,7 +55,9 @@ def _shard(t: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor
     return chunks[rank] if rank < len(chunks) else t.narrow(dim, 0, 0)
 
 
-def _data(seed, B, S, Hq, Hkv, D, dtype=torch.float64):
+def _data(seed, B, S, Hq, Hkv, D, dtype=None):
+    """``q, k, v, dout, dlse`` on the CPU in ``dtype`` (:data:`DTYPE` if None)."""
+    dtype = DTYPE if dtype is None else dtype
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64)
@@ -41,37 +69,49 @@ def _data(seed, B, S, Hq, Hkv, D, dtype=torch.float64):
 
 def cp_step(rank, world, case, *, lse_loss=True, check=True):
     """One context-parallel forward and backward of ``case`` (``lengths``, ``S``, ``Hq``, ``Hkv``,
-    ``D``, optional ``causal``, ``window``, ``dtype``, ``seed``, ``cu_dtype``), the loss using lse
-    too; returns the max error against the float64 oracle (None when ``check`` is False)."""
+    ``D``, optional ``causal``, ``window``, ``dtype``, ``seed``, ``cu_dtype``, or ``cu`` itself),
+    the loss using lse too; returns the max error against the float64 oracle (None when ``check``
+    is False)."""
+    pairs = _cp_pairs(rank, world, case, lse_loss=lse_loss)
+    if not check:
+        return None
+    errs = [(a - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs]
+    for a, b in pairs:  # shapes too: an empty shard returns empty tensors of the right shape
+        assert a.shape == b.shape, (a.shape, b.shape)
+    return max(errs) if not any(math.isnan(e) for e in errs) else math.nan  # max() may drop a NaN
+
+
+def _cp_pairs(rank, world, case, *, lse_loss=True, poison=None):
+    """The context-parallel step of :func:`cp_step`: ``[(got, oracle)]`` for out, lse, dq, dk, dv,
+    this rank's shards, both float64 on the CPU. ``poison``: ``(b, s, h)``, a global position of
+    q that is NaN in the run (the oracle sees the clean q)."""
     S, causal, window = case["S"], case.get("causal", True), case.get("window", (-1, -1))
-    dtype = case.get("dtype", torch.float64)
     cu = case.get("cu")
     if cu is None:
         cu = dp.cu_seqlens_from_lengths(case["lengths"], S).to(case.get("cu_dtype", torch.int32))
-    q, k, v, dout, dlse = _data(case.get("seed", 0), cu.shape[0], S, case["Hq"], case["Hkv"], case["D"], dtype)
-    lq, lk, lv = (_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
+    q, k, v, dout, dlse = _data(case.get("seed", 0), cu.shape[0], S, case["Hq"], case["Hkv"], case["D"], case.get("dtype"))
+    run_q = q
+    if poison is not None:
+        run_q = q.clone()
+        run_q[poison] = float("nan")
+    lq, lk, lv = (_on_device(_shard(t, rank, world)).requires_grad_() for t in (run_q, k, v))
     # count_flops: under FlopCounterMode (the custom op and its flop formula run, not the eager path)
     with FlopCounterMode(display=False) if case.get("count_flops") else contextlib.nullcontext():
         out, lse = dp.doc_packed_attn(
-            lq, lk, lv, cu, causal=causal, window_size=window, return_lse=True, cp_group=_group(), seq_len=S,
-            scale=case.get("scale"),
+            lq, lk, lv, cu.to(_device()), causal=causal, window_size=window, return_lse=True, cp_group=_group(),
+            seq_len=S, scale=case.get("scale"),
         )
-        loss = (out * _shard(dout, rank, world)).sum()
+        loss = (out * _on_device(_shard(dout, rank, world))).sum()
         if lse_loss:
-            loss = loss + (lse * _shard(dlse, rank, world, dim=2)).sum()
+            loss = loss + (lse * _on_device(_shard(dlse, rank, world, dim=2))).sum()
         grads = torch.autograd.grad(loss, (lq, lk, lv))
-    if not check:
-        return None
     rq, rk, rv = (t.double().clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window, case.get("scale"))
+    ref_out, ref_lse = reference(rq, rk, rv, cu.cpu(), causal, window, case.get("scale"))
     ref_loss = (ref_out * dout.double()).sum() + ((ref_lse * dlse.double()).sum() if lse_loss else 0)
     ref_grads = torch.autograd.grad(ref_loss, (rq, rk, rv))
     pairs = [(out, _shard(ref_out, rank, world)), (lse, _shard(ref_lse, rank, world, dim=2))]
     pairs += [(g, _shard(r, rank, world)) for g, r in zip(grads, ref_grads)]
-    errs = [(a.double() - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs]
-    for a, b in pairs:  # shapes too: an empty shard returns empty tensors of the right shape
-        assert a.shape == b.shape, (a.shape, b.shape)
-    return max(errs)
+    return [(a.detach().double().cpu(), b.detach()) for a, b in pairs]
 
 
 def shard_parity(rank, world, cases):
@@ -107,15 +147,15 @@ def divergent_history(rank, world, kinds):
     S, out = 48, {}
     for i, kind in enumerate(kinds):
         counter.n = 0
-        cu = dp.cu_seqlens_from_lengths([[13 + i, 20, 15 - i], [48]], S)
+        cu = dp.cu_seqlens_from_lengths([[13 + i, 20, 15 - i], [48]], S).to(_device())
         case = dict(lengths=None, cu=cu, S=S, Hq=4, Hkv=2, D=8, causal=True)
         errs = [cp_step(rank, world, case)]
         if rank == 0:
             n = {"local_calls": 40, "thousands": 2000}.get(kind, 0)
             cuts = [(a, b) for a in range(1, 63) for b in range(a + 1, 64)][:n]  # distinct layouts
-            x = torch.randn(1, 64, 1, 4, dtype=torch.float64)
+            x = _on_device(torch.randn(1, 64, 1, 4, dtype=DTYPE))
             for a, b in cuts:
-                dp.doc_packed_attn(x, x, x, dp.cu_seqlens_from_lengths([[a, b - a, 64 - b]], 64))
+                dp.doc_packed_attn(x, x, x, dp.cu_seqlens_from_lengths([[a, b - a, 64 - b]], 64).to(x.device))
             if kind == "clear":
                 _doc_layout.clear_cache()
             if kind == "add_zero":
@@ -133,7 +173,8 @@ def later_divergence(rank, world, whats):
     base = dict(lengths=[[10, 22], [32]], S=32, Hq=4, Hkv=2, D=8, causal=False, window=(5, 3))
     changes = {
         "head_dim": dict(D=16),
-        "dtype": dict(dtype=torch.float32),
+        # float64 where the data is float32 would fail rank 1's own checks on CUDA instead
+        "dtype": dict(dtype=torch.float32 if DTYPE == torch.float64 else torch.bfloat16),
         "q_heads": dict(Hq=2),
         "kv_heads": dict(Hkv=4),
         "causal": dict(causal=True, window=(5, 0)),
@@ -160,8 +201,8 @@ def pass_divergence(rank, world):
     step): both raise the same error naming the pass. Then an agreed step runs exactly."""
     base = dict(lengths=[[10, 22]], S=32, Hq=2, Hkv=1, D=8)
     q, k, v, *_ = _data(0, 1, 32, 2, 1, 8)
-    cu = dp.cu_seqlens_from_lengths(base["lengths"], 32)
-    lq, lk, lv = (_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v))
+    cu = dp.cu_seqlens_from_lengths(base["lengths"], 32).to(_device())
+    lq, lk, lv = (_on_device(_shard(t, rank, world)).requires_grad_() for t in (q, k, v))
     message = None
     try:
         if rank == 0:
@@ -191,26 +232,27 @@ def _local_fault(rank, world, what):
     bad = rank == 1 or what.endswith("_all")
     kind = what.removesuffix("_all")
     q, k, v, *_ = _data(0, 1, S, 2, 2, 8)
-    cu = dp.cu_seqlens_from_lengths([[10, 22]], S)
+    dev = _device()
+    cu = dp.cu_seqlens_from_lengths([[10, 22]], S).to(dev)
     kwargs = dict(cp_group=_group(), seq_len=S)
-    lq, lk, lv = (_shard(t, rank, world) for t in (q, k, v))
+    lq, lk, lv = (_on_device(_shard(t, rank, world)) for t in (q, k, v))
     if bad:
         if kind == "int64":
             cu = cu.long()
         elif kind == "decreasing":
-            cu = torch.tensor([[0, 12, 10, 32]], dtype=torch.int32)
+            cu = torch.tensor([[0, 12, 10, 32]], dtype=torch.int32, device=dev)
         elif kind == "past_end":
-            cu = torch.tensor([[0, 40, 32]], dtype=torch.int32)
+            cu = torch.tensor([[0, 40, 32]], dtype=torch.int32, device=dev)
         elif kind == "shard_length":
             lq, lk, lv = (t[:, :-1] for t in (lq, lk, lv))
         elif kind == "batch":
-            cu = dp.cu_seqlens_from_lengths([[10, 22], [32]], S)
+            cu = dp.cu_seqlens_from_lengths([[10, 22], [32]], S).to(dev)
         elif kind == "q_dtype":
             lq = lq.to(torch.int32)
         elif kind == "window":
             kwargs["window_size"] = (-2, 0)
         elif kind == "backend":
-            kwargs["backend"] = "flash"  # no CUDA here: rejected by doc_packed_attn's checks
+            kwargs["backend"] = "flash"  # CPU, or float32/64 on CUDA: rejected by doc_packed_attn's checks
         elif kind == "k_heads":
             lk = lk[:, :, :1].expand(-1, -1, 3, -1)
     result = None
@@ -224,7 +266,8 @@ def _local_fault(rank, world, what):
 def count_collectives(rank, world, companion=False):
     """Collectives and bytes of one cached context-parallel forward and backward, counted where
     they enter torch.distributed (the agreement) and doc_packed's comm (the data), plus the
-    agreement's cost in microseconds (median of 200 calls)."""
+    agreement's cost in microseconds (median of 200 calls). Gloo only (CPU collectives on the
+    group itself)."""
     if companion:
         comm._has_cpu_backend = lambda pg: False
     counts = {"agree_calls": 0, "agree_bytes_sent": 0, "agree_bytes_received": 0, "data": 0}
@@ -274,7 +317,8 @@ def count_collectives(rank, world, companion=False):
 def companion_group(rank, world):
     """The agreement on a gloo companion group (what a group without a CPU backend, e.g. NCCL,
     uses), over two CP groups of 2 ranks made concurrently: exact steps, then a disagreement
-    raised on both ranks of one group, then an exact step again."""
+    raised on both ranks of one group, then an exact step again. Gloo only: a pure NCCL group
+    takes the companion path anyway (see :func:`agreement_channel`)."""
     global GROUP
     comm._has_cpu_backend = lambda pg: False
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -306,3 +350,37 @@ def many_layouts(rank, world, steps, seed):
         causal = rng.random() < 0.5
         worst = max(worst, cp_step(rank, world, dict(lengths=[lengths], S=S, Hq=2, Hkv=1, D=4, causal=causal)))
     return worst, len(_doc_layout._layouts)
+
+
+def agreement_channel(rank, world):
+    """One step, then whether the group's agreement runs on a gloo companion (a group without a
+    CPU backend, e.g. pure NCCL) and the group's backend config; with the step's error."""
+    err = cp_step(rank, world, dict(lengths=[[7, 25]], S=32, Hq=2, Hkv=1, D=8))
+    channel = comm._channels[_group().group_name][1]
+    return err, channel.backend is not None, dist.get_backend_config(_group())
+
+
+def nan_in_one_document(rank, world, case, poison):
+    """A context-parallel step whose q is NaN at ``poison`` ``(b, s, h)`` (a position of one
+    document). Returns this rank's (max error against the oracle over the tokens of every other
+    document, whether all of those are finite, how many values of the poisoned document are not
+    finite): out and dq by query token, lse by query token, dk and dv by key token."""
+    pairs = _cp_pairs(rank, world, case, poison=poison)
+    b, s, _ = poison
+    cu = dp.cu_seqlens_from_lengths(case["lengths"], case["S"]) if case.get("cu") is None else case["cu"].cpu()
+    bounds = cu[b].tolist()
+    doc = next(d for d in range(len(bounds) - 1) if bounds[d] <= s < bounds[d + 1])
+    poisoned = torch.zeros(cu.shape[0], case["S"], dtype=torch.bool)  # [B, S]: the poisoned document
+    poisoned[b, bounds[doc] : bounds[doc + 1]] = True
+    mine = _shard(poisoned, rank, world)  # [B, S_local]
+    err, finite, hit = 0.0, True, 0
+    for i, (got, want) in enumerate(pairs):
+        # token masks broadcast to [B, S_local, H, D] (out, dq, dk, dv) or [B, H, S_local] (lse)
+        m = mine[:, None, :] if i == 1 else mine[:, :, None, None]
+        m = m.expand_as(got)
+        clean_got, clean_want = got[~m], want[~m]
+        finite = finite and bool(torch.isfinite(clean_got).all())
+        if clean_got.numel():
+            err = max(err, (clean_got - clean_want).abs().max().item())
+        hit += int((~torch.isfinite(got[m])).sum())
+    return err, finite, hit

@@ -1,15 +1,19 @@
-"""Run a function on real gloo ranks (spawned processes) and collect each rank's result.
+"""Run a function on real gloo (or NCCL) ranks (spawned processes) and collect each rank's result.
 
 Tests use it through the ``run_ranks`` fixture (conftest.py). How a run goes:
 
 1. The parent spawns ``world_size`` processes. Each connects to a TCPStore that rank 0 hosts
-   and joins a gloo group. Startup (spawn, imports, rendezvous) may take ``STARTUP_TIMEOUT``.
+   and joins a gloo group, or with ``backend="nccl"`` an NCCL group, one GPU per rank (rank r
+   on ``cuda:r``, NVLink multicast off: ``NCCL_NVLS_ENABLE=0``); :data:`DEVICE` is then the
+   rank's GPU. Startup (spawn, imports, rendezvous) may take ``STARTUP_TIMEOUT``.
 2. Once every rank has joined, the group has ``timeout`` seconds. Collectives on the default
    group give up after ``timeout / 2``, so a rank stuck in one (a peer never came) raises with
    its own traceback. After a rank fails the others get ``GRACE`` seconds (they usually fail
    at once, in their next collective). Ranks still running at the deadline are named as hung,
    their Python stacks dumped (faulthandler, on SIGUSR1) and they are killed. Collectives on
-   mesh sub-groups keep torch's default timeout (30 min): the deadline catches those.
+   mesh sub-groups keep torch's default timeout (30 min): the deadline catches those. On NCCL
+   a timed-out collective makes torch's watchdog abort the rank (reported as SIGABRT, with
+   its stacks).
 3. Each rank writes its result, meets the others at a barrier (no rank tears gloo down while
    a peer still talks to it), destroys its groups, collects garbage and exits normally.
 4. If any rank raised, hung, died of a signal or exited without a result, the parent raises
@@ -41,6 +45,10 @@ DEFAULT_TIMEOUT = 300.0  # seconds a group may run once formed
 STARTUP_TIMEOUT = 120.0  # spawn, imports, rendezvous: 5-20 s for 2-4 ranks on a busy 2-core machine
 GRACE = 10.0  # seconds the other ranks get after one failed
 STACK_WAIT = 2.0  # seconds a rank gets to write its stacks after SIGUSR1, before it is killed
+BACKENDS = ("gloo", "nccl")
+
+# In a rank: the device its collectives take tensors on (cpu on gloo, cuda:<rank> on NCCL).
+DEVICE = torch.device("cpu")
 
 
 class RanksFailed(RuntimeError):
@@ -80,7 +88,8 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _entry(rank, world_size, port, workdir, timeout, payload):
+def _entry(rank, world_size, port, workdir, timeout, backend, payload):
+    global DEVICE
     torch.set_num_threads(1)
     # Every thread's Python stack on a fatal signal (segfault, abort), and on SIGUSR1, which
     # the parent sends to a rank it is about to kill as hung. faulthandler needs the file open
@@ -89,13 +98,19 @@ def _entry(rank, world_size, port, workdir, timeout, payload):
     faulthandler.enable(stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, stack_file, all_threads=True)
     try:
+        init = {}
+        if backend == "nccl":
+            os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off (read at NCCL init)
+            DEVICE = torch.device("cuda", rank)
+            torch.cuda.set_device(DEVICE)
+            init["device_id"] = DEVICE  # binds the group to this GPU (barrier, eager NCCL init)
         # The store waits for every rank as long as startup may take; the group's own timeout,
         # which bounds each collective, can then be short.
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=STARTUP_TIMEOUT)
         )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout / 2)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout / 2), **init
         )
         try:
             _write(_path(workdir, rank, "up"), b"")
@@ -119,26 +134,39 @@ def _entry(rank, world_size, port, workdir, timeout, payload):
     _write(_path(workdir, rank, "done"), b"")
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, workdir: str | None = None):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results
-    (a list, by rank). Raise :class:`RanksFailed` if any rank failed, hung or exited abnormally.
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT,
+    workdir: str | None = None,
+    backend: str = "gloo",
+):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results (a
+    list, by rank). Raise :class:`RanksFailed` if any rank failed, hung or exited abnormally.
 
     ``timeout``: seconds the ranks may run once they have all joined the group (see the module
     docstring). ``workdir``: where the ranks write their files (a temporary directory if None).
+    ``backend``: the default group's, ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank: needs
+    ``world_size`` GPUs; ``fn`` finds its GPU in :data:`DEVICE`).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-            return _run(fn, world_size, args, timeout, tmp, keeps_files=False)
+            return _run(fn, world_size, args, timeout, tmp, backend, keeps_files=False)
     os.makedirs(workdir, exist_ok=True)
-    return _run(fn, world_size, args, timeout, workdir, keeps_files=True)
+    return _run(fn, world_size, args, timeout, workdir, backend, keeps_files=True)
 
 
-def _run(fn, world_size, args, timeout, workdir, keeps_files):
+def _run(fn, world_size, args, timeout, workdir, backend, keeps_files):
     payload = pickle.dumps((fn, args))
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, workdir, timeout, payload), name=f"rank{r}")
+        ctx.Process(target=_entry, args=(r, world_size, port, workdir, timeout, backend, payload), name=f"rank{r}")
         for r in range(world_size)
     ]
     for p in procs:
@@ -155,7 +183,7 @@ def _run(fn, world_size, args, timeout, workdir, keeps_files):
     reports = {r: text for r, text in reports.items() if text is not None}
     if reports:
         header = (
-            f"{fn.__module__}.{fn.__qualname__} on {world_size} gloo ranks (timeout {timeout:g} s): "
+            f"{fn.__module__}.{fn.__qualname__} on {world_size} {backend} ranks (timeout {timeout:g} s): "
             f"{len(reports)} rank(s) failed" + (f"; rank files in {workdir}" if keeps_files else "")
         )
         raise RanksFailed(header, reports, sorted(hung), elapsed)
