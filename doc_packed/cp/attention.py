@@ -218,9 +218,10 @@ class _Rows:
         self.out = torch.zeros((self.n, *self.shape), dtype=self.dtype, device=self.device)
         self.lse = torch.full((self.shape[0], self.n), float("-inf"), dtype=acc, device=self.device)
 
-    def write(self, call: Call, o: torch.Tensor, l: torch.Tensor, first: bool) -> None:
-        """``first``: no earlier call touched these rows (stage A): copy; else merge."""
-        if self.out is None and first and call.q0 == 0 and call.q1 == self.n:
+    def write(self, call: Call, o: torch.Tensor, l: torch.Tensor) -> None:
+        """Copy the rows ``call`` computed, or merge them in (``call.merge``: an earlier call
+        computed some of them too)."""
+        if self.out is None and call.q0 == 0 and call.q1 == self.n:
             # the first call spans every row (rows it does not compute hold out 0, lse -inf):
             # use its buffers as they are
             self.out, self.lse = o, l
@@ -234,19 +235,24 @@ class _Rows:
         sl = slice(call.q0, call.q1)
         rows = None if full else call.rows + call.q0
         o_new, l_new = (o, l) if full else (o.index_select(0, call.rows), l.index_select(1, call.rows))
-        if first:
+        if not call.merge:
             self._put(sl, rows, o_new, l_new)
             return
         # few ops on purpose: a context-parallel rank is host-bound at CP >= 4 (section 9 of
-        # docs/benchmarks.md), and each op here costs a launch
-        acc = kernels.lse_dtype(self.dtype)
+        # docs/benchmarks.md), and each op here costs a launch. On a slice the merge writes into
+        # the result buffers in place (out=); on indexed rows into copies, put back after.
         l_old = self.lse[:, sl] if rows is None else self.lse.index_select(1, rows)
         o_old = self.out[sl] if rows is None else self.out.index_select(0, rows)
-        lse = torch.logaddexp(l_old, l_new)  # -inf where neither saw a key; NaN stays NaN
-        # each side's weight exp(l - lse) ([2, H, n]); 0 on rows that saw no key at all
-        w = torch.where(torch.isneginf(lse), 0.0, torch.exp(torch.stack([l_old, l_new]) - lse)).transpose(1, 2)
-        merged = torch.addcmul(o_new.to(acc) * w[1, ..., None], o_old.to(acc), w[0, ..., None])
-        self._put(sl, rows, merged.to(self.dtype), lse)
+        both = torch.stack([l_old, l_new])  # before l_old is overwritten
+        lse = torch.logaddexp(l_old, l_new, out=l_old)  # -inf where neither saw a key; NaN stays NaN
+        # each side's weight exp(l - lse), as [2, n, H, 1]; 0 on rows that saw no key at all
+        # (lse -inf: subtracting 0 instead keeps exp(-inf) = 0; NaN and +inf stay)
+        lse_or_0 = lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0)
+        w = torch.exp(both - lse_or_0).transpose(1, 2)[..., None]
+        # o_new * w_new + o_old * w_old in the lse dtype (type promotion), rounded once into out
+        torch.addcmul(o_new * w[1], o_old, w[0], out=o_old)
+        if rows is not None:
+            self._put(sl, rows, o_old, lse)
 
     def _put(self, sl: slice, rows: torch.Tensor | None, o: torch.Tensor, l: torch.Tensor) -> None:
         assert self.out is not None and self.lse is not None
@@ -282,7 +288,7 @@ class _Grad:
         # one add per element and call (the rows are distinct), so adding in the gradient's dtype
         # rounds exactly as a float32 sum cast back would; few ops: the rank is host-bound
         if rows is None or rows.numel() == part.shape[0]:  # every row of the part: a slice
-            self.t[r0 : r0 + part.shape[0]] += part
+            self.t[r0 : r0 + part.shape[0]].add_(part)  # (not +=: that copies the slice onto itself)
         else:
             self.t.index_add_(0, rows + r0, part.index_select(0, rows))
 
@@ -295,7 +301,7 @@ class _Grad:
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first: bool, softcap=0.0) -> None:
+def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, softcap=0.0) -> None:
     for call in calls:
         k, v = kvs[call.k_buf]
         o, l = kernels.forward(
@@ -307,7 +313,7 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, first
             backend,
             softcap,
         )
-        rows[call.q_buf].write(call, o, l, first)
+        rows[call.q_buf].write(call, o, l)
 
 
 def forward(
@@ -339,11 +345,11 @@ def forward(
     rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
     kvs = {LOCAL: (kf, vf)}
     # stage A: own queries x own keys while the exchange is in flight
-    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, True, softcap)
+    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, softcap)
     # stage B: everything that reads a received buffer
     kvs[RECV] = _landed_kv(kv_pending, kf)
     q_recv = comm.wait(q_pending) if q_pending is not None else qf[:0]
-    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, False, softcap)
+    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
     out, lse = rows[LOCAL].result()
     if sch.q_traffic:  # moved-in rows' output and lse go home in one message
         o_moved, l_moved = rows[RECV].result()
@@ -364,16 +370,16 @@ def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: t
     add (computed in float32, rounded once); rows sent to several peers are summed in float32
     slots first. No index kernels and no float32 copy of the whole message."""
     if not sch.kv_shared:
-        for p, r0, n, _ in sch.kv_back_runs:
-            dk[r0 : r0 + n] += back[p : p + n, 0]
-            dv[r0 : r0 + n] += back[p : p + n, 1]
+        for p, r0, n, _ in sch.kv_back_runs:  # add_, not += (which copies the slice onto itself)
+            dk[r0 : r0 + n].add_(back[p : p + n, 0])
+            dv[r0 : r0 + n].add_(back[p : p + n, 1])
         return
     total = torch.empty((sch.kv_slots, 2, *dk.shape[1:]), dtype=kernels.lse_dtype(dk.dtype), device=dk.device)
     for r0, s0, n in sch.kv_slot_runs:
         total[s0 : s0 + n, 0] = dk[r0 : r0 + n]
         total[s0 : s0 + n, 1] = dv[r0 : r0 + n]
     for p, _, n, s0 in sch.kv_back_runs:
-        total[s0 : s0 + n] += back[p : p + n]
+        total[s0 : s0 + n].add_(back[p : p + n])
     for r0, s0, n in sch.kv_slot_runs:
         dk[r0 : r0 + n] = total[s0 : s0 + n, 0]
         dv[r0 : r0 + n] = total[s0 : s0 + n, 1]

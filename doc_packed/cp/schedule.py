@@ -53,7 +53,9 @@ class _Piece:
 @dataclass(frozen=True)
 class Call:
     """One kernel call: queries ``q_buf[q0:q1]`` against keys ``k_buf[k0:k1]`` under ``spec``;
-    ``rows`` (device, relative to ``q0``) are the query rows it really computes."""
+    ``rows`` (device, relative to ``q0``) are the query rows it really computes; ``merge``: an
+    earlier call of the schedule (stage A, then stage B, in order) computed some of these rows
+    too, so the forward merges this call's output into theirs by lse instead of copying it."""
 
     q_buf: str
     k_buf: str
@@ -65,6 +67,7 @@ class Call:
     rows: torch.Tensor
     n_rows: int
     k_rows: torch.Tensor  # key rows (relative to ``k0``) some query of the call sees
+    merge: bool
 
 
 @dataclass(frozen=True)
@@ -144,10 +147,23 @@ def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, 
     return False, wl, wr
 
 
-def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device, span: int | None = None) -> list[Call]:
+def _calls(
+    pieces: list[_Piece],
+    causal: bool,
+    left: int,
+    right: int,
+    device,
+    written: dict[str, torch.Tensor],
+    span: int | None = None,
+) -> list[Call]:
     """Group pieces into kernel calls: same buffers and mask; within a call queries and keys both
     run forward without overlap. ``span``: every call covers rows ``[0, span)`` of both buffers
-    (stage A on the local tensors: the first call's outputs then serve as the result buffers)."""
+    (stage A on the local tensors: the first call's outputs then serve as the result buffers).
+
+    The calls come widest first, so that the first call on a query buffer usually spans all of it
+    and its output becomes the result buffer (no zero-filled buffer, no merge). ``written``
+    (host, one bool per row of each query buffer) records the rows earlier calls computed and is
+    updated here: it sets each call's ``merge``."""
     groups: dict[tuple, list[list[_Piece]]] = {}
     for p in sorted(pieces, key=lambda p: (p.q_buf, p.k_buf, p.q0, p.k0)):
         key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
@@ -158,7 +174,7 @@ def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device, sp
                 break
         else:
             groups[key].append([p])
-    out = []
+    made = []
     for (q_buf, k_buf, (c, wl, wr)), calls in groups.items():
         for members in calls:
             q0, k0 = members[0].q0, members[0].k0
@@ -184,10 +200,16 @@ def _calls(pieces: list[_Piece], causal: bool, left: int, right: int, device, sp
             if cu_k[-1] < k1 - k0:
                 cu_q.append(cu_q[-1])
                 cu_k.append(k1 - k0)
-            index = torch.cat(rows).to(device)
             spec = VarlenSpec(cu_q, cu_k, c, wl, wr)
-            k_index = torch.unique(torch.cat(k_rows)).to(device)
-            out.append(Call(q_buf, k_buf, q0, q1, k0, k1, spec, index, int(index.numel()), k_index))
+            made.append((q_buf, k_buf, q0, q1, k0, k1, spec, torch.cat(rows), torch.unique(torch.cat(k_rows))))
+    out = []
+    for q_buf, k_buf, q0, q1, k0, k1, spec, index, k_index in sorted(made, key=lambda m: m[2] - m[3]):
+        seen = written[q_buf][index + q0]
+        merge = bool(seen.any())
+        written[q_buf][index + q0] = True
+        out.append(
+            Call(q_buf, k_buf, q0, q1, k0, k1, spec, index.to(device), int(index.numel()), k_index.to(device), merge)
+        )
     return out
 
 
@@ -323,6 +345,11 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return torch.tensor(rows, dtype=torch.int64).to(device)
 
     back_runs, shared, slots, slot_runs = _reduce_runs(kv_runs)
+    # rows of each query buffer that a call computed so far (host; sets each call's ``merge``)
+    written = {
+        LOCAL: torch.zeros(plan.batch * L, dtype=torch.bool),
+        RECV: torch.zeros(sum(q_recv_splits), dtype=torch.bool),
+    }
 
     return RankSchedule(
         rank=rank,
@@ -337,8 +364,8 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_send_index=index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
-        stage_a=tuple(_calls(stage_a, causal, left, right, device, span=plan.batch * L)),
-        stage_b=tuple(_calls(stage_b, causal, left, right, device)),
+        stage_a=tuple(_calls(stage_a, causal, left, right, device, written, span=plan.batch * L)),
+        stage_b=tuple(_calls(stage_b, causal, left, right, device, written)),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
         q_traffic=sum(plan.q_moved_tokens) > 0,
     )
