@@ -168,7 +168,9 @@ def _start_kv(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor, group: str)
     """K|V rows peers need, as ``[n, 2, H_kv, D]``, issued; None when nothing moves."""
     if not sch.kv_traffic:
         return None
-    send = torch.stack([kf.index_select(0, sch.kv_send_index), vf.index_select(0, sch.kv_send_index)], 1)
+    send = kf.new_empty((sum(sch.kv_send_splits), 2, *kf.shape[1:]))
+    torch.index_select(kf, 0, sch.kv_send_index, out=send[:, 0])  # gathered into the message
+    torch.index_select(vf, 0, sch.kv_send_index, out=send[:, 1])
     return comm.start_all_to_all(send, sch.kv_send_splits, sch.kv_recv_splits, group)
 
 
@@ -181,23 +183,31 @@ def _landed_kv(pending, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return kv[:, 0], kv[:, 1]
 
 
-def _pack(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Rows of several tensors side by side in one ``dtype`` message (bit views, no casts)."""
-    return torch.cat([p.reshape(p.shape[0], _width(p)).contiguous().view(dtype) for p in parts], 1)
+# A message row holds several fields side by side (``(shape, dtype)`` each, e.g. a query row
+# and its lse) as words of one dtype; senders write the fields in place (no concatenation),
+# receivers read them as views (no copies).
+Fields = list[tuple[tuple[int, ...], torch.dtype]]
 
 
-def _width(t: torch.Tensor) -> int:
-    n = 1
-    for d in t.shape[1:]:
-        n *= d
-    return n
+def _message(
+    n: int, fields: Fields, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An uninitialised ``[n, W]`` message of ``dtype`` words and a view of each field in it."""
+    words = [torch.Size(shape).numel() * d.itemsize // dtype.itemsize for shape, d in fields]
+    widest = max(1, max(d.itemsize for _, d in fields) // dtype.itemsize)
+    # the row length is a multiple of the widest field's words, so each field views as its dtype
+    msg = torch.empty((n, -(-sum(words) // widest) * widest), dtype=dtype, device=device)
+    return msg, _fields(msg, fields)
 
 
-def _unpack(msg: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+def _fields(msg: torch.Tensor, fields: Fields) -> list[torch.Tensor]:
+    """Views of the fields of each row of a message made by :func:`_message` (wider dtypes first,
+    so each starts on a multiple of its own size)."""
     out, col = [], 0
-    for shape, dtype in shapes:
+    for shape, dtype in fields:
         width = torch.Size(shape).numel() * dtype.itemsize // msg.dtype.itemsize
-        out.append(msg[:, col : col + width].contiguous().view(dtype).view(msg.shape[0], *shape))
+        part = msg[:, col : col + width]
+        out.append((part if dtype == msg.dtype else part.view(dtype)).view(msg.shape[0], *shape))
         col += width
     return out
 
@@ -351,10 +361,14 @@ def forward(
     q_recv = comm.wait(q_pending) if q_pending is not None else qf[:0]
     _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
     out, lse = rows[LOCAL].result()
-    if sch.q_traffic:  # moved-in rows' output and lse go home in one message
+    if sch.q_traffic:  # moved-in rows' lse and output go home in one message
         o_moved, l_moved = rows[RECV].result()
-        msg = comm.all_to_all(_pack([o_moved, l_moved.t()], q.dtype), sch.q_recv_splits, sch.q_send_splits, group_name)
-        o_home, l_home = _unpack(msg, [((Hq, D), q.dtype), ((Hq,), lse.dtype)])
+        fields: Fields = [((Hq,), lse.dtype), ((Hq, D), q.dtype)]
+        send, (l_send, o_send) = _message(n_moved, fields, q.dtype, q.device)
+        l_send.copy_(l_moved.t())
+        o_send.copy_(o_moved)
+        msg = comm.all_to_all(send, sch.q_recv_splits, sch.q_send_splits, group_name)
+        l_home, o_home = _fields(msg, fields)
         out.index_copy_(0, sch.q_send_index, o_home)
         lse.index_copy_(1, sch.q_send_index, l_home.t())
     return out.reshape(B, L, Hq, D).contiguous(), lse.reshape(Hq, B, L).transpose(0, 1).contiguous()
@@ -425,12 +439,14 @@ def backward(
     lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
     kv_pending = _start_kv(sch, kf, vf, group_name)
     q_pending = None
-    if sch.q_traffic:  # moved rows travel with their output, output gradient and lse
+    fields: Fields = [((Hq,), lse.dtype)] + [((Hq, D), q.dtype)] * 3
+    if sch.q_traffic:  # moved rows travel with their lse, output and output gradient
         idx = sch.q_send_index
-        msg = _pack(
-            [qf.index_select(0, idx), of.index_select(0, idx), dof.index_select(0, idx), lse_rows[:, idx].t()], q.dtype
-        )
-        q_pending = comm.start_all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group_name)
+        send, (l_send, *rows_send) = _message(sum(sch.q_send_splits), fields, q.dtype, q.device)
+        torch.index_select(lse_rows, 1, idx, out=l_send.t())  # gathered into the message
+        for x, to in zip((qf, of, dof), rows_send):
+            torch.index_select(x, 0, idx, out=to)
+        q_pending = comm.start_all_to_all(send, sch.q_send_splits, sch.q_recv_splits, group_name)
     n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
     dq = {LOCAL: _Grad(sch.local_rows, (Hq, D), q.dtype, q.device), RECV: _Grad(n_moved, (Hq, D), q.dtype, q.device)}
     dk = {LOCAL: _Grad(sch.local_rows, (Hkv, D), k.dtype, k.device), RECV: _Grad(n_kv, (Hkv, D), k.dtype, k.device)}
@@ -453,8 +469,8 @@ def backward(
     run(sch.stage_a)
     kvs[RECV] = _landed_kv(kv_pending, kf)
     if q_pending is not None:
-        q_m, o_m, do_m, l_m = _unpack(comm.wait(q_pending), [((Hq, D), q.dtype)] * 3 + [((Hq,), lse.dtype)])
-        saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
+        l_m, q_m, o_m, do_m = _fields(comm.wait(q_pending), fields)
+        saved[RECV] = (q_m.contiguous(), o_m.contiguous(), do_m.contiguous(), l_m.t().contiguous())
     run(sch.stage_b)
     dq_local = dq[LOCAL].result()
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()

@@ -1,0 +1,72 @@
+"""The per-layer helpers of cp/attention.py on one process: message layout and the lse merge."""
+
+import pytest
+import torch
+
+from doc_packed.cp.attention import _fields, _message, _Rows
+from doc_packed.cp.schedule import LOCAL, Call
+from doc_packed.kernels import VarlenSpec, lse_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("H,D", [(1, 1), (3, 5), (4, 8)])
+@pytest.mark.parametrize("n", [0, 7])
+def test_message_fields_round_trip(dtype, H, D, n):
+    """Fields written in place into a message read back bit for bit from a copy of it, for odd
+    row widths too (the lse field is wider than the message's words)."""
+    g = torch.Generator().manual_seed(n * 31 + H)
+    acc = lse_dtype(dtype)
+    lse = torch.randn(H, 11, generator=g, dtype=acc)
+    rows = [torch.randn(11, H, D, generator=g).to(dtype) for _ in range(3)]
+    idx = torch.randint(0, 11, (n,), generator=g)
+    fields = [((H,), acc)] + [((H, D), dtype)] * 3
+    msg, (l_f, *r_f) = _message(n, fields, dtype, torch.device("cpu"))
+    torch.index_select(lse, 1, idx, out=l_f.t())
+    for x, to in zip(rows, r_f):
+        torch.index_select(x, 0, idx, out=to)
+    l_got, *r_got = _fields(msg.clone(), fields)  # a received message is a new buffer
+    assert torch.equal(l_got.t(), lse[:, idx])
+    for x, got in zip(rows, r_got):
+        assert torch.equal(got, x[idx])
+
+
+def _call(q0, q1, rows, merge):
+    spec = VarlenSpec([0, q1 - q0], [0, 1], False, -1, -1)
+    return Call(LOCAL, LOCAL, q0, q1, 0, 1, spec, rows, int(rows.numel()), torch.arange(1), merge)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("slice_rows", [True, False])
+def test_merge_matches_float64_lse_merge(dtype, slice_rows):
+    """Two calls over overlapping rows merge to the float64 log-sum-exp combination; rows no call
+    saw stay out 0 / lse -inf, and a NaN lse stays NaN."""
+    torch.manual_seed(0)
+    n, H, D = 12, 3, 4
+    acc = lse_dtype(dtype)
+    o1, o2 = torch.randn(n, H, D).to(dtype), torch.randn(8, H, D).to(dtype)
+    l1, l2 = torch.randn(H, n, dtype=acc) * 3, torch.randn(H, 8, dtype=acc) * 3
+    l1[:, 2], o1[2] = -float("inf"), 0  # row 2: the first call saw no key
+    l1[:, 10], l2[:, 6], o1[10], o2[6] = -float("inf"), -float("inf"), 0, 0  # row 10 (2nd: 4 + 6): none did
+    l2[1, 3] = float("nan")
+    buf = _Rows(n, H, D, dtype, torch.device("cpu"))
+    buf.write(_call(0, n, torch.arange(n), False), o1.clone(), l1.clone())
+    rows = torch.arange(8) if slice_rows else torch.tensor([0, 1, 3, 6])  # second call: rows 4.. of its slice
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[rows] = True
+    buf.write(_call(4, 12, rows, True), o2.clone(), l2.clone())
+    out, lse = buf.result()
+    # float64 reference over the rows the second call computed
+    L1, L2 = l1.double(), torch.where(keep, l2.double(), -float("inf"))
+    want_lse = L1.clone()
+    want_lse[:, 4:] = torch.logaddexp(L1[:, 4:], L2)
+    w1 = torch.exp(L1[:, 4:] - want_lse[:, 4:]).nan_to_num(0.0).t()[..., None]
+    w2 = torch.exp(L2 - want_lse[:, 4:]).nan_to_num(0.0).t()[..., None]
+    want = o1.double().clone()
+    want[4:] = o1.double()[4:] * w1 + o2.double() * w2
+    nan = want_lse.isnan()
+    assert torch.equal(lse.isnan(), nan) and bool(out[4 + 3, 1].isnan().all())
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    ok = ~nan.t()
+    torch.testing.assert_close(lse.double()[~nan], want_lse[~nan], rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double()[ok], want[ok], rtol=tol, atol=tol)
+    assert bool((out[10] == 0).all()) and bool(lse[:, 10].isneginf().all())
