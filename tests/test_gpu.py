@@ -119,6 +119,78 @@ def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
             assert rel(a, b) <= 2e-2
 
 
+# (lengths of each row, S, (Hq, Hkv), D, D_v, causal, window, softcap, need_lse)
+REPLAY_CASES = [
+    ([[700, 300, 1048]], 2048, (32, 8), 128, 128, True, (-1, 0), 0.0, True),
+    ([[700, 300, 1048]], 2048, (32, 8), 128, 128, True, (-1, 0), 0.0, False),
+    ([[2048]], 2048, (16, 16), 128, 128, False, (-1, -1), 0.0, True),
+    ([[900, 1148]], 2048, (8, 2), 64, 64, True, (64, 0), 0.0, True),
+    ([[1000, 24], [512]], 1024, (8, 2), 128, 128, True, (-1, 0), 0.0, True),  # zero-length tail, B 2
+    ([[1500, 548]], 2048, (8, 2), 128, 64, True, (-1, 0), 0.0, True),  # D_v != D
+    ([[1500, 548]], 2048, (8, 2), 128, 128, True, (-1, 0), 30.0, True),  # softcap
+]
+
+
+@needs_fa4
+@pytest.mark.parametrize("case", REPLAY_CASES)
+def test_fa4_launch_replay_is_bitwise_a_full_call(case, monkeypatch):
+    """The second forward of a spec launches FA4's compiled kernel directly
+    (doc_packed/kernels/fa4_launch.py): bitwise what FA4's full Python path gives."""
+    from doc_packed import ops
+    from doc_packed.kernels import fa4, fa4_launch
+
+    lengths, S, (hq, hkv), d, dv, causal, window, softcap, need_lse = case
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=4).cuda()
+    spec = ops._local_problem(cu, S, causal, *window)
+    T, scale = len(lengths) * S, d**-0.5
+
+    def data(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        mk = lambda h, e: torch.randn(T, h, e, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        return mk(hq, d), mk(hkv, d), mk(hkv, dv)
+
+    first = data(0)
+    fa4.forward(spec, *first, scale, softcap, need_lse=need_lse)  # FA4's Python; the launch is recorded
+    key = fa4_launch.key(*first, scale, softcap, need_lse)
+    assert spec.cached(("fa4-launches",), dict)[key] is not None, "FA4 4.0.0b36's launch should be replayable"
+    q, k, v = data(1)
+    out, lse = fa4.forward(spec, q, k, v, scale, softcap, need_lse=need_lse)  # replayed
+    monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
+    ref_out, ref_lse = fa4.forward(spec, q, k, v, scale, softcap, need_lse=need_lse)
+    assert torch.equal(out, ref_out)
+    assert (lse is None) == (ref_lse is None) == (not need_lse)
+    if need_lse:
+        assert torch.equal(lse, ref_lse)
+
+
+@needs_fa4
+def test_fa4_replay_through_the_op_with_gradients(monkeypatch):
+    """Training-shaped use: the same layout every layer, new data; replayed forwards give the
+    full path's output bitwise, and gradients within FA4's own run-to-run spread."""
+    lengths, S = [[700, 300, 1048]], 2048
+    cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=4).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(1, S, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    layers = [(mk(32), mk(8), mk(8), mk(32)) for _ in range(3)]
+
+    def run():
+        res = []
+        for q, k, v, dout in layers:
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out = dp.doc_packed_attn(qq, kk, vv, cu, backend="fa4")
+            out.backward(dout)
+            res.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        return res
+
+    got = run()
+    monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
+    want = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a[0], b[0])
+        for x, y in zip(a[1:], b[1:]):
+            assert rel(x, y) <= 1e-2
+
+
 @needs_fa4
 def test_fa4_rules_raise_before_the_kernel():
     cu = dp.cu_seqlens_from_lengths([[120]], 120).cuda()  # not % 128: auto never compiles flex

@@ -10,6 +10,8 @@ The package is optional and imported on first use only: :func:`available` asks
 ``importlib`` whether it is installed without importing it, and ``import doc_packed`` never
 imports ``flash_attn``. Both passes call FA4's private ``_flash_attn_fwd`` / ``_flash_attn_bwd``
 (no autograd.Function: the op's own autograd already saved ``out`` and ``lse``), by keyword;
+a forward FA4 has run once for a spec and shapes is launched again without its Python
+(:mod:`.fa4_launch`);
 the import checks they exist and take those keywords, and raises :class:`Unavailable` naming
 the module otherwise. Inputs FA4 cannot take are caught by :func:`unsupported_reason` before
 any FA4 code runs, so its ``assert`` statements never fire on them.
@@ -26,6 +28,7 @@ import os
 import torch
 from torch import Tensor
 
+from . import fa4_launch
 from .spec import Variant, VarlenSpec
 
 MODULE = "flash_attn.cute.interface"
@@ -204,8 +207,28 @@ def forward(
     extra: dict = {"softcap": softcap} if softcap else {}
     if sinks is not None:
         extra["learnable_sink"] = sinks.float()
-    out, lse, *_ = fwd(q, k, v, return_lse=need_lse, **_args(spec, q, scale), **extra)
-    return out, lse
+    kwargs = {"return_lse": need_lse, **_args(spec, q, scale), **extra}
+    key = fa4_launch.key(q, k, v, scale, softcap, need_lse) if sinks is None and fa4_launch.enabled() else None
+    if key is None:
+        out, lse, *_ = fwd(q, k, v, **kwargs)
+        return out, lse
+    launches = spec.cached(("fa4-launches",), dict)  # key -> Launch, or None: not replayable
+    launch = launches.get(key, _UNSEEN)
+    if launch is _UNSEEN:
+        (out, lse, *_), launch = fa4_launch.record(
+            fwd, q, k, v, (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"]), kwargs
+        )
+        if len(launches) < _MAX_LAUNCHES:
+            launches[key] = launch
+        return out, lse
+    if launch is None:
+        out, lse, *_ = fwd(q, k, v, **kwargs)
+        return out, lse
+    return fa4_launch.replay(launch, q, k, v)
+
+
+_UNSEEN = object()
+_MAX_LAUNCHES = 16  # per spec (shapes, dtypes, scales seen with one layout)
 
 
 def backward(
