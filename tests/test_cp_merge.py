@@ -70,3 +70,43 @@ def test_merge_matches_float64_lse_merge(dtype, slice_rows):
     torch.testing.assert_close(lse.double()[~nan], want_lse[~nan], rtol=tol, atol=tol)
     torch.testing.assert_close(out.double()[ok], want[ok], rtol=tol, atol=tol)
     assert bool((out[10] == 0).all()) and bool(lse[:, 10].isneginf().all())
+
+
+RUNS = {
+    "disjoint": [(0, 5), (9, 3), (5, 4)],
+    "one range to three peers in a row": [(2, 6), (2, 6), (2, 6), (10, 2)],
+    "same range, not in a row": [(2, 6), (10, 2), (2, 6)],
+    "overlapping": [(0, 8), (4, 8), (20, 3)],
+    "nested prefixes": [(3, 9), (3, 9), (3, 5), (3, 2)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", list(RUNS))
+def test_partials_come_home_summed_once(dtype, case):
+    """dK/dV partials of rows sent to several peers add up to the float64 sum, rounded once."""
+    from types import SimpleNamespace
+
+    from doc_packed.cp.attention import _add_partials
+    from doc_packed.cp.schedule import _reduce_runs
+
+    runs = RUNS[case]
+    sums, back_runs, shared, slots, slot_runs = _reduce_runs(runs)
+    assert shared == (case != "disjoint")
+    assert bool(slots) == (case in ("overlapping", "nested prefixes", "same range, not in a row"))
+    sch = SimpleNamespace(kv_back_sums=sums, kv_back_runs=back_runs, kv_slots=slots, kv_slot_runs=slot_runs)
+    torch.manual_seed(1)
+    rows, H, D = 24, 2, 4
+    dk, dv = torch.randn(rows, H, D).to(dtype), torch.randn(rows, H, D).to(dtype)
+    back = torch.randn(sum(n for _, n in runs), 2, H, D).to(dtype)
+    want = torch.stack([dk, dv], 1).double()
+    p = 0
+    for r0, n in runs:
+        want[r0 : r0 + n] += back[p : p + n].double()
+        p += n
+    _add_partials(sch, dk, dv, back)
+    got = torch.stack([dk, dv], 1)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    else:  # one rounding of a float32 sum: the nearest bf16 or its neighbour
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=0)

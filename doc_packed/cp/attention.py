@@ -381,14 +381,17 @@ def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: t
     """Add the partial ``[n, 2, H_kv, D]`` dK|dV that peers sent back to this rank's ``dk``/``dv``
     (rows ``[B * L, H_kv, D]``), by slices of the schedule's runs. Every row's sum is taken in
     float32 and rounded to the gradient's dtype once: a row that came back once is one in-place
-    add (computed in float32, rounded once); rows sent to several peers are summed in float32
-    slots first. No index kernels and no float32 copy of the whole message."""
-    if not sch.kv_shared:
-        for p, r0, n, _ in sch.kv_back_runs:  # add_, not += (which copies the slice onto itself)
-            dk[r0 : r0 + n].add_(back[p : p + n, 0])
-            dv[r0 : r0 + n].add_(back[p : p + n, 1])
+    add (computed in float32, rounded once); a row range that came back k times in a row is one
+    float32 sum of its k partials, then one add; rows that came back in overlapping runs are
+    summed in float32 slots first. No index kernels and no float32 copy of the whole message."""
+    acc = kernels.lse_dtype(dk.dtype)
+    for p, k, r0, n in sch.kv_back_sums:  # add_, not += (which copies the slice onto itself)
+        part = back[p : p + n] if k == 1 else back[p : p + k * n].view(k, n, *back.shape[1:]).sum(0, dtype=acc)
+        dk[r0 : r0 + n].add_(part[:, 0])
+        dv[r0 : r0 + n].add_(part[:, 1])
+    if not sch.kv_slots:
         return
-    total = torch.empty((sch.kv_slots, 2, *dk.shape[1:]), dtype=kernels.lse_dtype(dk.dtype), device=dk.device)
+    total = torch.empty((sch.kv_slots, 2, *dk.shape[1:]), dtype=acc, device=dk.device)
     for r0, s0, n in sch.kv_slot_runs:
         total[s0 : s0 + n, 0] = dk[r0 : r0 + n]
         total[s0 : s0 + n, 1] = dv[r0 : r0 + n]

@@ -79,9 +79,14 @@ class RankSchedule:
     kv_send_splits: list[int]
     kv_recv_splits: list[int]
     # partial dK/dV of the rows sent come back in the send order and are added to the local
-    # gradient by slices, no index ops: kv_back_runs (offset in the message, first local row,
-    # rows, first slot) cover the message; rows sent to several peers (kv_shared) are summed in
-    # float32 slots first (kv_slot_runs: first local row, first slot, rows), so each rounds once
+    # gradient by slices, no index ops, each row's sum taken in float32 and rounded once.
+    # kv_back_sums (offset in the message, copies k, first local row, rows): rows sent k times
+    # whose k partials lie back to back in the message, summed by one float32 reduction and
+    # added once (k = 1: one add). Rows sent to several peers otherwise (overlapping runs) are
+    # summed in float32 slots: kv_back_runs (offset in the message, first local row, rows, first
+    # slot), kv_slot_runs (first local row, first slot, rows), kv_slots in all. kv_shared: some
+    # row was sent to several peers.
+    kv_back_sums: tuple[tuple[int, int, int, int], ...]
     kv_back_runs: tuple[tuple[int, int, int, int], ...]
     kv_shared: bool
     kv_slots: int
@@ -215,25 +220,37 @@ def _calls(
 
 def _reduce_runs(runs: list[tuple[int, int]]):
     """How the partial dK/dV of the sent runs ``(first row, rows)`` come home (RankSchedule's
-    ``kv_back_runs``, ``kv_shared``, ``kv_slots``, ``kv_slot_runs``): the runs with their message
-    offsets, whether any row was sent twice, and the merged row intervals laid out as slots."""
+    ``kv_back_sums``, ``kv_back_runs``, ``kv_shared``, ``kv_slots``, ``kv_slot_runs``).
+
+    Overlapping runs form one interval. An interval whose runs all are exactly it and lie back
+    to back in the message (one row range sent to k peers in a row) becomes one sum; the others
+    are laid out as float32 slots, with the runs' message offsets and slots."""
     merged: list[list[int]] = []  # disjoint sorted [start, end) of every row sent
     for r0, n in sorted(runs):
-        if merged and r0 <= merged[-1][1]:
+        if merged and r0 < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], r0 + n)
         else:
             merged.append([r0, r0 + n])
-    slot_runs, slots = [], 0
-    for a, e in merged:
-        slot_runs.append((a, slots, e - a))
-        slots += e - a
     starts = [a for a, _ in merged]
-    back, pos = [], 0
+    cover: list[list[tuple[int, int, int]]] = [[] for _ in merged]  # (offset, first row, rows) per interval
+    pos = 0
     for r0, n in runs:
-        a, s0, _ = slot_runs[bisect_right(starts, r0) - 1]  # the interval holding the run
-        back.append((pos, r0, n, s0 + r0 - a))
+        cover[bisect_right(starts, r0) - 1].append((pos, r0, n))
         pos += n
-    return tuple(back), slots < pos, slots, tuple(slot_runs)
+    sums: list[tuple[int, int, int, int]] = []
+    back: list[tuple[int, int, int, int]] = []
+    slot_runs: list[tuple[int, int, int]] = []
+    slots = 0
+    for (a, e), runs_in in zip(merged, cover):
+        p0 = runs_in[0][0]
+        if all(r0 == a and n == e - a and p == p0 + i * n for i, (p, r0, n) in enumerate(runs_in)):
+            sums.append((p0, len(runs_in), a, e - a))
+        else:
+            back.extend((p, r0, n, slots + r0 - a) for p, r0, n in runs_in)
+            slot_runs.append((a, slots, e - a))
+            slots += e - a
+    shared = sum(e - a for a, e in merged) < pos
+    return tuple(sums), tuple(back), shared, slots, tuple(slot_runs)
 
 
 def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
@@ -344,7 +361,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     def index(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(device)
 
-    back_runs, shared, slots, slot_runs = _reduce_runs(kv_runs)
+    back_sums, back_runs, shared, slots, slot_runs = _reduce_runs(kv_runs)
     # rows of each query buffer that a call computed so far (host; sets each call's ``merge``)
     written = {
         LOCAL: torch.zeros(plan.batch * L, dtype=torch.bool),
@@ -357,6 +374,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_send_index=index(kv_send),
         kv_send_splits=kv_send_splits,
         kv_recv_splits=kv_recv_splits,
+        kv_back_sums=back_sums,
         kv_back_runs=back_runs,
         kv_shared=shared,
         kv_slots=slots,
