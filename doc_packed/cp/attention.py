@@ -161,6 +161,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _rows(x: torch.Tensor, a: int, b: int, dim: int = 0) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``x`` along ``dim``; ``x`` itself when that is all of it (stage A's
+    calls span the local tensors: a slice would be one more dispatched op)."""
+    if a == 0 and b == x.shape[dim]:
+        return x
+    return x[a:b] if dim == 0 else x[:, a:b]
+
+
 # ----------------------------------------------------------------------------- data movement
 
 
@@ -316,9 +324,9 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, softc
         k, v = kvs[call.k_buf]
         o, l = kernels.forward(
             call.spec,
-            qs[call.q_buf][call.q0 : call.q1],
-            k[call.k0 : call.k1],
-            v[call.k0 : call.k1],
+            _rows(qs[call.q_buf], call.q0, call.q1),
+            _rows(k, call.k0, call.k1),
+            _rows(v, call.k0, call.k1),
             scale,
             backend,
             softcap,
@@ -461,9 +469,18 @@ def backward(
         for call in calls:
             qb, ob, dob, lb = saved[call.q_buf]
             kb, vb = kvs[call.k_buf]
-            qs, ks = slice(call.q0, call.q1), slice(call.k0, call.k1)
+            q0, q1, k0, k1 = call.q0, call.q1, call.k0, call.k1
             g_q, g_k, g_v = kernels.backward(
-                call.spec, dob[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), scale, backend, softcap
+                call.spec,
+                _rows(dob, q0, q1),
+                _rows(qb, q0, q1),
+                _rows(kb, k0, k1),
+                _rows(vb, k0, k1),
+                _rows(ob, q0, q1),
+                _rows(lb, q0, q1, dim=1).contiguous(),
+                scale,
+                backend,
+                softcap,
             )
             dq[call.q_buf].add(call.q0, g_q, call.rows)
             dk[call.k_buf].add(call.k0, g_k, call.k_rows)
