@@ -432,3 +432,31 @@ def test_python_m_env_runs():
                          cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "fa4: " in res.stdout and "auto runs " in res.stdout
+
+
+def test_interface_loads_where_warnings_are_errors(tmp_path, monkeypatch):
+    """A deprecation notice at FA4's import (the CuTe DSL 4.8.1 emits one) must not make FA4
+    unavailable under ``-W error``: auto would silently fall back to a slower kernel."""
+    import sys
+    import warnings
+
+    pkg = tmp_path / "flash_attn" / "cute"
+    pkg.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    fwd_kw = ", ".join(f"{k}=None" for k in fa4._FWD_KEYWORDS)
+    bwd_kw = ", ".join(f"{k}=None" for k in fa4._BWD_KEYWORDS)
+    (pkg / "interface.py").write_text(
+        "import warnings\n"
+        "warnings.warn('cutlass.utils.LayoutEnum is deprecated', DeprecationWarning)\n"
+        f"def _flash_attn_fwd(q, k, v, {fwd_kw}): pass\n"
+        f"def _flash_attn_bwd(q, k, v, out, dout, lse, {bwd_kw}): pass\n"
+    )
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _uncached_interface(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwd, bwd = fa4._interface()
+    assert fwd.__name__ == "_flash_attn_fwd" and bwd.__name__ == "_flash_attn_bwd"

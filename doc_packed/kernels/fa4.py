@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -152,7 +153,11 @@ def window(spec: VarlenSpec) -> tuple[int | None, int | None]:
 def _interface():
     """FA4's ``(_flash_attn_fwd, _flash_attn_bwd)``, imported once, with the keywords we pass."""
     try:
-        mod = importlib.import_module(MODULE)
+        with warnings.catch_warnings():
+            # the CuTe DSL's deprecation notices at import (4.8.1: cutlass.utils.LayoutEnum) must
+            # not stop FA4 loading where warnings are errors (auto would fall back without it)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            mod = importlib.import_module(MODULE)
     except Exception as err:  # ImportError, or the CuTe DSL failing to load its runtime
         raise Unavailable(f"cannot import {MODULE} ({type(err).__name__}: {err}); {INSTALL_HINT}") from err
     fns = []
