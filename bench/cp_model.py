@@ -427,13 +427,15 @@ def bench_cp_lengths(S: int, name: str, bench: ModuleType | None = None, c: int 
     if name == "one doc":
         return [S]
     bench = bench or _bench_cp_module()
-    if name == "lognormal 2k":
-        return bench.lognormal_lengths(S, 2048, seed=S)  # bench_cp.py's own call
-    if name == "lognormal 2k cp-packed":
-        if c is None:
-            raise ValueError(f"layout {name!r} depends on the CP size: pass c")
-        return dict(bench.layouts(S, c, "cp"))[name]  # bench_cp.py's own packing
-    raise ValueError(f"unknown bench_cp layout {name!r}")
+    means = {"lognormal 2k": 2048, "lognormal 512": 512}
+    base = name.removesuffix(" cp-packed")
+    if base not in means:
+        raise ValueError(f"unknown bench_cp layout {name!r}")
+    if base == name:
+        return bench.lognormal_lengths(S, means[base], seed=S)  # bench_cp.py's own call
+    if c is None:
+        raise ValueError(f"layout {name!r} depends on the CP size: pass c")
+    return dict(bench.layouts(S, c, "cp", [means[base]], S))[name]  # bench_cp.py's own packing
 
 
 def validate_point(row: dict, m: Model, bench: ModuleType | None = None) -> dict:
