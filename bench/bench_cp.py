@@ -313,8 +313,10 @@ def worker(
                 forward's received buffers would hold instead)."""
                 got = [comm.wait(cpa._start_kv(sch, cpa._flat(lk), cpa._flat(lv), group.group_name))] if sch.kv_traffic else []
                 if sch.q_traffic:
-                    idx = sch.q_send_index
-                    msg = cpa._pack([cpa._flat(lq).index_select(0, idx), cpa._flat(lo).index_select(0, idx)], lq.dtype)
+                    idx, row = sch.q_send_index, ((lq.shape[2], lq.shape[3]), lq.dtype)
+                    msg, (q_f, o_f) = cpa._message(sum(sch.q_send_splits), [row, row], lq.dtype, lq.device)
+                    torch.index_select(cpa._flat(lq), 0, idx, out=q_f)
+                    torch.index_select(cpa._flat(lo), 0, idx, out=o_f)
                     got.append(comm.all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group.group_name))
                 return got
 
