@@ -248,7 +248,10 @@ def run_fa4(cell: dict) -> dict:
     # synchronised per call (the goal's method), then the host running ahead (GPU time alone)
     variants = [(name, mk, True) for name, mk in makers.items()]
     variants += [(f"{name}-nosync", makers[name], False) for name in ("fa4", "ours")]
-    for label, mk, sync in variants * REPEATS:
+    # the variants' order rotates between repeats: a long cell slows the GPU as it runs, which
+    # would otherwise favour whichever variant is timed first
+    rotated = [v for rep in range(REPEATS) for v in variants[rep % len(variants):] + variants[: rep % len(variants)]]
+    for label, mk, sync in rotated:
         try:
             with torch.no_grad():
                 f_ms = bench(mk(q, k, v), sync=sync)
