@@ -184,6 +184,18 @@ class RowMask:
             i += 1
         return w
 
+    def work_from(self, a: int, e: int, lo: int) -> int:
+        """Pairs of queries [a, e) with keys at or after ``lo`` (a rank's own keys, for
+        queries inside its shard): documents are cut to start at ``lo``."""
+        w, i = 0, self._first(a)
+        while i < len(self.starts) and self.starts[i] < e:
+            ds, de = max(self.starts[i], lo), self.ends[i]
+            n = de - ds
+            w += prefix_pairs(min(de, e) - ds, n, CAUSAL, LEFT, RIGHT)
+            w -= prefix_pairs(max(a, ds) - ds, n, CAUSAL, LEFT, RIGHT)
+            i += 1
+        return w
+
     def key_start(self, a: int) -> int:
         """Causal keys of queries [a, e) are [start of a's document, e)."""
         return self.starts[self._first(a)]
@@ -281,6 +293,27 @@ def head_tail_work(layout: DocLayout, c: int, masks: list[RowMask]) -> list[int]
     return work
 
 
+def own_work(plan: Any, c: int, masks: list[RowMask], seq_len: int) -> list[int]:
+    """Per rank, the pairs of stage A: its computed queries inside its own shard against the
+    keys of its own shard (no exchange needed)."""
+    owned = owner_ranges(seq_len, c)
+    out = []
+    for r in range(c):
+        os_, oe = owned[r]
+        out.append(sum(masks[b].work_from(max(a, os_), min(e, oe), os_)
+                       for b, a, e in plan.q_ranges[r] if min(e, oe) > max(a, os_)))
+    return out
+
+
+def overlap_step_s(plan: Any, c: int, masks: list[RowMask], seq_len: int, m: "Model",
+                   calls: Sequence[int] | None = None) -> float:
+    """The slowest rank's :meth:`Model.overlap_s` under ``plan``."""
+    own = own_work(plan, c, masks, seq_len)
+    n = calls or [0] * c
+    return max(m.overlap_s(own[r], plan.work[r], plan.kv_recv_tokens[r], plan.q_moved_tokens[r], n[r])
+               for r in range(c))
+
+
 # ---- bytes and seconds ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Model:
@@ -294,6 +327,7 @@ class Model:
     ag_gbps: float = AG_GBPS
     a2a_fixed_ms: float = 0.0  # per layer fwd+bwd, all-to-all designs (ours, min-heap, Ulysses)
     ag_fixed_ms: float = 0.0  # per layer fwd+bwd, all-gather designs
+    launch_us: float = 0.0  # host cost per kernel call of ours (validation only: it counts calls)
 
     @property
     def kv_tok(self) -> int:  # K and V of one token
@@ -330,6 +364,25 @@ class Model:
     def a2a_s(self, nbytes: float) -> float:
         """Exchange time of an all-to-all design, fwd+bwd: fixed cost + bytes / bandwidth."""
         return self.a2a_fixed_ms * 1e-3 + nbytes / (self.a2a_gbps * 1e9)
+
+    def overlap_s(self, own: int, work: int, kv: int, qm: int, calls: int = 0) -> float:
+        """One rank's fwd+bwd in the staged design (doc_packed/cp/attention.py): stage A
+        (``own`` pairs: its queries against its own keys) runs while the exchange lands, stage
+        B (the other ``work - own`` pairs) after it, results and gradients go home after that:
+
+            fwd: max(A_f, K/V + q in) + B_f + (out, lse back)
+            bwd: max(A_b, K/V + q, out, dout, lse in) + B_b + (dK/dV partials, dq back)
+
+        for ``kv`` K/V tokens received and ``qm`` queries computed for other owners; plus the
+        fixed exchange cost and ``calls`` kernel calls at ``launch_us`` each."""
+        f = 1 / (1 + BWD_FACTOR)
+        a, b = self.compute_s(own), self.compute_s(work - own)
+        row = self.hq * self.d * BF16  # one query's q (or out, dout, dq) row
+        bw = self.a2a_gbps * 1e9
+        fwd = max(a * f, (kv * self.kv_tok + qm * row) / bw) + b * f + qm * (row + LSE_BYTES * self.hq) / bw
+        bwd_in = kv * self.kv_tok + qm * (3 * row + LSE_BYTES * self.hq)
+        bwd = max(a * (1 - f), bwd_in / bw) + b * (1 - f) + (kv * self.kv_tok + qm * row) / bw
+        return fwd + bwd + self.a2a_fixed_ms * 1e-3 + calls * self.launch_us * 1e-6
 
     def ag_s(self, nbytes: float) -> float:
         """Exchange time of an all-gather design, fwd+bwd: fixed cost + bytes / bandwidth."""
@@ -388,6 +441,7 @@ def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask],
     t1 = m.compute_s(total_work)
     step = {
         "ours": m.compute_s(max(plan.work)) + m.a2a_s(ours_both),
+        "ours_overlap": overlap_step_s(plan, c, masks, layout.seq_len, m),
         "minheap": m.compute_s(max(heap.work)) + m.a2a_s(heap_both),
         "allgather": m.compute_s(max(ht)) + m.ag_s(3 * ag),
         "allgather_ideal": m.compute_s(total_work / c) + m.ag_s(3 * ag),
@@ -489,8 +543,24 @@ def validate_point(row: dict, m: Model, bench: ModuleType | None = None) -> dict
         "refetch_pred_ms": refetch_bytes / (mm.a2a_gbps * 1e9) * 1e3,
         "refetch_bytes": refetch_bytes,
     }
+    calls = schedule_calls(plan, c)
+    out["calls"] = calls
+    out["ours_overlap_ms"] = overlap_step_s(plan, c, masks, S, mm, calls) * 1e3
     out["ours_pred_ms"] = out["ours_compute_ms"] + out["ours_comm_ms"]
     out["ag_pred_ms"] = out["ag_compute_ms"] + out["ag_comm_ms"]
+    return out
+
+
+def schedule_calls(plan: Any, c: int) -> list[int]:
+    """Kernel calls per rank in one forward+backward (the runtime's schedule, on CPU)."""
+    import torch
+
+    from doc_packed.cp.schedule import build_schedule
+
+    out = []
+    for r in range(c):
+        sch = build_schedule(plan, r, torch.device("cpu"))
+        out.append(2 * (len(sch.stage_a) + len(sch.stage_b)))
     return out
 
 

@@ -168,13 +168,14 @@ def _step_table(res: list[dict]) -> str:
         st = r["step"]
         rows.append([
             r["dist"], token_label(r["T"]), r["c"], f"{r['ag_imb']:.2f}", ms(r["t1"]), ms(st["ours"]),
+            ms(st["ours_overlap"]),
             ms(st["allgather"]), ms(st["allgather_ideal"]), ms(st["ulysses"]), ms(st["minheap"]),
-            sp(r, "ours"), sp(r, "allgather"), sp(r, "allgather_ideal"), sp(r, "ulysses"),
-            sp(r, "minheap"),
+            sp(r, "ours"), sp(r, "ours_overlap"), sp(r, "allgather"), sp(r, "allgather_ideal"),
+            sp(r, "ulysses"), sp(r, "minheap"),
         ])
     return markdown_table(
-        ["dist", "T", "cp", "AG head-tail imb", "1 GPU ms", "ours ms", "AG head-tail ms",
-         "AG balanced ms", "Ulysses ms", "min-heap ms", "speedup ours", "speedup AG head-tail",
+        ["dist", "T", "cp", "AG head-tail imb", "1 GPU ms", "ours ms", "ours staged ms", "AG head-tail ms",
+         "AG balanced ms", "Ulysses ms", "min-heap ms", "speedup ours", "speedup ours staged", "speedup AG head-tail",
          "speedup AG balanced", "speedup Ulysses", "speedup heap"], rows)
 
 
@@ -235,11 +236,13 @@ def _validation_tables(res: list[dict]) -> str:
         main.append([
             token_label(r["S"]), r["layout"], f"{r['one_gpu_ms']:.1f}", f"{r['ours_ms']:.1f}",
             f"{r['ours_pred_ms']:.1f}", _err(r["ours_pred_ms"], r["ours_ms"]),
+            f"{r['ours_overlap_ms']:.1f}", _err(r["ours_overlap_ms"], r["ours_ms"]), max(r["calls"]),
             f"{r['ag_ms']:.1f}", f"{r['ag_pred_ms']:.1f}", _err(r["ag_pred_ms"], r["ag_ms"]),
         ])
     cp = "CP=" + "/".join(str(c) for c in dict.fromkeys(r["c"] for r in res))  # the runs' "gpus"
     a = markdown_table(["S", "layout", "measured 1 GPU ms", f"measured {cp} ms", f"predicted {cp} ms",
-                "error", "measured all-gather ms", "predicted all-gather ms", "error"], main)
+                "error", "staged + overlap ms", "error", "kernel calls (max rank)",
+                "measured all-gather ms", "predicted all-gather ms", "error"], main)
     diag = []
     for r in res:
         diag.append([
@@ -276,6 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(ours, min-heap, Ulysses); fit it with --validate")
     p.add_argument("--ag-fixed-ms", type=float, default=0.0,
                    help="fixed exchange cost per layer fwd+bwd of the all-gather designs")
+    p.add_argument("--launch-us", type=float, default=0.0,
+                   help="host cost per kernel call of ours in the staged model (--validate counts "
+                        "each rank's calls from the runtime's schedule)")
     p.add_argument("--out", help="directory for sim_*.png plots (e.g. docs/)")
     p.add_argument("--plot-tokens", type=int, default=1 << 21, help="T shown in plots (a), (b)")
     p.add_argument("--validate", metavar="JSON",
@@ -299,7 +305,9 @@ def _main_validate(args, m: Model) -> int:
           f"tolerance={TOLERANCE}; compute rate per point = the measured one-GPU fwd+bwd of that "
           f"layout; all-to-all {m.a2a_gbps:g} GB/s (ours), all-gather {m.ag_gbps:g} GB/s"
           f"{_fixed_note(m)}; "
-          "error = (predicted - measured) / measured\n")
+          "error = (predicted - measured) / measured; \"predicted\": compute + exchange, no overlap; "
+          "\"staged + overlap\": stage A under the exchange, stage B after it, results home after "
+          f"that (cp_model.Model.overlap_s), {m.launch_us:g} us per kernel call\n")
     print(_validation_tables(res))
     print("\nFit of the non-compute time (measured - compute at the one-GPU rate, ms, in the "
           "order of the table) as fixed + bytes / bandwidth:\n")
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     dists = args.dists or DISTS
     m = Model(tflops=args.tflops, a2a_gbps=args.a2a_gbps, ag_gbps=args.ag_gbps,
-              a2a_fixed_ms=args.a2a_fixed_ms, ag_fixed_ms=args.ag_fixed_ms)
+              a2a_fixed_ms=args.a2a_fixed_ms, ag_fixed_ms=args.ag_fixed_ms, launch_us=args.launch_us)
     if args.validate:
         return _main_validate(args, m)
     load0 = os.getloadavg()[0]

@@ -311,3 +311,57 @@ def test_fit_exchange_recovers_fixed_cost_and_bandwidth():
     slope, fixed = np.polyfit(x, y, 1)
     assert rows[("ours", "all 5 points")][1:3] == [f"{fixed:+.2f}", f"{1e3 / slope:.0f}"]
     assert rows[("all-gather", "a")][2] == "n/a (slope <= 0)"
+
+
+# ---- the staged (overlapped) model ------------------------------------------------------------
+def test_work_from_against_enumeration():
+    # rows of documents; pairs (q, k) with q in [a, e), k >= lo, k <= q, same document
+    docs = [(0, 5), (5, 12), (12, 20)]
+    mask = cp_model.RowMask(docs)
+    for a, e, lo in [(0, 20, 0), (3, 15, 7), (6, 20, 10), (12, 20, 12), (0, 4, 2)]:
+        want = sum(1 for ds, de in docs for q in range(max(a, ds), min(e, de))
+                   for k in range(max(ds, lo), q + 1))
+        assert mask.work_from(a, e, lo) == want, (a, e, lo)
+
+
+def test_own_work_is_stage_a_pairs_by_enumeration():
+    # one row of 16 tokens over 2 ranks: documents [0, 6), [6, 16); rank 1 owns [8, 16)
+    layout = _layout([[6, 10]], 16)
+    plan = build_plan(layout, 2, True, -1, 0, query_cost=1.0, tolerance=0.01)
+    own = cp_model.own_work(plan, 2, _masks(layout), 16)
+    owned = [(0, 8), (8, 16)]
+    for r, (os_, oe) in enumerate(owned):
+        want = 0
+        for b, a, e in plan.q_ranges[r]:
+            for q in range(max(a, os_), min(e, oe)):
+                ds = 0 if q < 6 else 6
+                want += sum(1 for k in range(max(ds, os_), q + 1) if k < oe)
+        assert own[r] == want
+        assert own[r] <= plan.work[r]
+
+
+def test_overlap_model_by_hand():
+    m = Model(tflops=1.0, a2a_gbps=1.0)  # 1 TFLOP/s, 1 GB/s: numbers stay readable
+    pair = 4 * 32 * 128 * 3.5 / 1e12  # seconds of fwd+bwd per pair
+    # nothing received: the whole work is stage A, no bytes
+    assert m.overlap_s(1000, 1000, 0, 0) == pytest.approx(1000 * pair)
+    # stage A hides the exchange when it is longer: fwd max(A_f, in) + B_f + back ...
+    own, work, kv = 10**6, 2 * 10**6, 100
+    a, b, f = own * pair, (work - own) * pair, 1 / 3.5
+    fwd = max(a * f, kv * 4096 / 1e9) + b * f
+    bwd = max(a * (1 - f), kv * 4096 / 1e9) + b * (1 - f) + kv * 4096 / 1e9
+    assert m.overlap_s(own, work, kv, 0) == pytest.approx(fwd + bwd)
+    # kernel calls at launch_us each
+    m2 = Model(tflops=1.0, a2a_gbps=1.0, launch_us=50.0)
+    assert m2.overlap_s(own, work, kv, 0, calls=4) == pytest.approx(fwd + bwd + 4 * 50e-6)
+
+
+@pytest.mark.parametrize("rows, S, c", [([[300, 700, 24]], 1024, 2), ([[100] * 10 + [24]], 1024, 4)])
+def test_overlap_never_slower_than_the_serial_model(rows, S, c):
+    layout = _layout(rows, S)
+    masks = _masks(layout)
+    m = Model()
+    res = cp_model.evaluate("x", S, c, layout, masks, m, 1)
+    assert res["step"]["ours_overlap"] <= res["step"]["ours"] + 1e-12
+    plan = build_plan(layout, c, True, -1, 0, query_cost=m.hq / m.hkv, tolerance=0.01)
+    assert res["step"]["ours_overlap"] >= m.compute_s(max(plan.work)) * (1 - 1e-9)
