@@ -23,6 +23,11 @@ a *column* all cells of one rank; the target is ``total pairs / c`` per column):
    smaller than every unplaced document; a cell that cannot be closed is padded (its own
    document of padding tokens).
 
+Where that packing leaves documents out or moves queries, one more is tried in which every column
+a heavy document's piece leaves room only for light documents *claims* the lightest tokens it
+needs (the shortest documents held back for step 3 excluded): later heavy documents count only
+on the rest, so no two columns are promised the same light documents (:meth:`_Packer._claim`).
+
 Without ``cp_size`` it packs first-fit in the given order (the historical behaviour).
 """
 
@@ -47,6 +52,9 @@ _DEBUG = False
 _PASSES = 2  # packing passes at most, the second aiming the columns the first one missed
 _TOLERANCE = 0.004  # imbalance below which one pass is enough (the planner moves work above 1.01)
 _RETRY_BELOW = 0.05  # ... and above which a second pass does not help (measured)
+_PLANNER_TOLERANCE = 0.01  # the runtime planner moves queries above this imbalance
+_CLAIM_BELOW = 0.1  # claimed light tokens are tried below this imbalance (above it a document
+# alone outweighs a column, and claims do not change that; measured on the bench grid)
 _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding: <= 64 per token)
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
 _SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
@@ -195,6 +203,7 @@ class _Packer:
         n_rows: int,
         shift: Sequence[float] | None = None,
         docs: _Docs | None = None,
+        claim: bool = False,
     ):
         docs = docs or _Docs(lengths, causal, left, right)
         self.docs = docs
@@ -225,11 +234,18 @@ class _Packer:
         self.left_over: list[tuple[int, int]] = []  # sorted (length, doc)
         # the least work that fills x tokens: the shortest documents (cumulative, for _fill)
         self._fill_toks, self._fill_work = docs.fill_toks_l, docs.fill_work_l
+        # with ``claim`` (see _claim), less the shortest documents, which run() holds back to close
+        # cells with (they end up in every column: none can count on them; about as many as
+        # run() keeps) and the light tokens columns claimed
+        self.claiming = claim
+        keep = min(len(docs.live) // 4, _RESERVE_PER_ROW * n_rows) if claim else 0
+        self._held: tuple[float, float] = (docs.fill_toks_l[keep], docs.fill_work_l[keep])
+        self._claims: dict[int, float] = {}  # column -> light tokens it claimed, in stacking order
         self.slack = max(0, n_rows * seq_len - docs.tokens)
         self.colfree = [n_rows * self.cap[r] for r in range(c)]
 
-    def _fill(self, x: int) -> float:
-        """Least work of ``x`` tokens of documents: the shortest ones, the last one in part."""
+    def _raw_fill(self, x: float) -> float:
+        """Least work of the ``x`` shortest tokens of all documents (the last document in part)."""
         j = bisect_right(self._fill_toks, x)
         if j >= len(self._fill_toks):
             return float(self._fill_work[-1])
@@ -237,13 +253,56 @@ class _Packer:
         n = self._fill_toks[j] - t0
         return w0 + float((self._fill_work[j] - w0) * (x - t0)) / n  # rounds as _fill_np does
 
-    def _fill_np(self, x: np.ndarray) -> np.ndarray:
-        """:meth:`_fill` of an int64 array."""
+    def _fill(self, x: int) -> float:
+        """Least work of ``x`` tokens of documents: the shortest ones not held back or claimed,
+        the last one in part (:meth:`_raw_fill`, inlined: it is called often)."""
+        t_h, w_h = self._held
+        at = x + t_h
+        j = bisect_right(self._fill_toks, at)
+        if j >= len(self._fill_toks):
+            return float(self._fill_work[-1]) - w_h
+        t0, w0 = self._fill_toks[j - 1], self._fill_work[j - 1]
+        n = self._fill_toks[j] - t0
+        return w0 + float((self._fill_work[j] - w0) * (at - t0)) / n - w_h  # rounds as _fill_np does
+
+    def _fill_np(self, x: np.ndarray, held: bool = True) -> np.ndarray:
+        """:meth:`_fill` of an int64 array (``held=False``: counting every document)."""
         toks, work = self.docs.fill_toks, self.docs.fill_work
+        t_h, w_h = self._held if held else (0, 0)
+        x = x + t_h
         j = np.minimum(np.searchsorted(toks, x, side="right"), len(toks) - 1)
         t0, w0 = toks[j - 1], work[j - 1]
         part = w0 + (work[j] - w0) * (x - t0) / np.maximum(toks[j] - t0, 1)
-        return np.where(x >= toks[-1], work[-1].astype(np.float64), part)
+        return np.where(x >= toks[-1], work[-1].astype(np.float64), part) - w_h
+
+    def _claim(self, k: int) -> None:
+        """Column ``k`` just took a piece of a heavy document: it may now afford only light
+        documents for its free tokens. It claims the fewest of the lightest tokens that, with
+        the rest of its free tokens at the mean density of what remains, keep it at its target;
+        claimed tokens leave the fill that later placements count on (no two columns get the
+        same light documents). A column's claim is replaced when it is touched again."""
+        t_h, w_h = self._held
+        t_h -= self._claims.pop(k, 0.0)  # (re-inserted below: the dict is in stacking order)
+        w_h = self._raw_fill(t_h)
+        f, budget = self.colfree[k], self.tg[k] - self.colw[k]
+        left_t = self.docs.tokens - t_h
+        x = 0.0
+        rho = (self._fill_work[-1] - w_h) / left_t if left_t > 0 else 0.0
+        if 0 < f < left_t and f * rho > budget:
+
+            def over(x: float) -> float:
+                light = self._raw_fill(t_h + x) - w_h
+                return light + (f - x) * (self._fill_work[-1] - w_h - light) / max(left_t - x, 1) - budget
+
+            a, x = 0.0, float(f)
+            for _ in range(24):
+                m = (a + x) / 2
+                if over(m) > 0:
+                    a = m
+                else:
+                    x = m
+        self._claims[k] = x
+        self._held = (t_h + x, self._raw_fill(t_h + x))
 
     # -- work ---------------------------------------------------------------------------------
     def _piece(self, n: int, a: int, e: int) -> int:
@@ -281,7 +340,7 @@ class _Packer:
         fit a cell there), or more work than a column can take next to the least work that
         fills the rest of its tokens."""
         n = np.asarray(self.L, dtype=np.int64)
-        fill = self._fill_np(np.maximum(self.R * self.cs - n, 0))
+        fill = self._fill_np(np.maximum(self.R * self.cs - n, 0), held=False)
         longest = self.cs - self.cs // _SLACK
         return ((n > longest) | (np.asarray(self.work, dtype=np.int64) + fill > self.target)).tolist()
 
@@ -323,8 +382,13 @@ class _Packer:
         for r, a, e in pieces:
             self.colw[r] += self._piece(n, a, e)
             self.colfree[r] -= e - a
-        for r, _, _ in pieces:
-            self._keys[r] = self.colw[r] + self._fill(self.colfree[r]) - self.tg[r]
+        if self.claiming:
+            for r, _, _ in pieces[::-1]:  # the last piece (the heaviest) first: lightest fill
+                self._claim(r)
+            self._keys = self._end_keys(range(self.c))
+        else:
+            for r, _, _ in pieces:
+                self._keys[r] = self.colw[r] + self._fill(self.colfree[r]) - self.tg[r]
         return True
 
     def _end_keys(self, cols) -> np.ndarray:
@@ -383,11 +447,14 @@ class _Packer:
                 r += 1
             return last, other
 
+        plain = causal and left < 0  # prefix_pairs(m, n) = m (m + 1) / 2
+
         def last_over(y: int) -> float:
             v = memo.get(y)
             if v is None:
-                piece = whole - prefix_pairs(n - y, n, causal, left, right)  # = self._piece(n, n - y, n)
-                v = memo[y] = (cw + piece + fill(cf - y)) / t - 1
+                m = n - y
+                piece = whole - (m * (m + 1) // 2 if plain else prefix_pairs(m, n, causal, left, right))
+                v = memo[y] = (cw + piece + fill(cf - y)) / t - 1  # piece: self._piece(n, n - y, n)
             return v
 
         # largest y whose last piece fits (monotone for causal masks)
@@ -811,30 +878,102 @@ def _two_shards(docs: _Docs, seq_len: int):
 
 def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int):
     """The better of up to ``_PASSES`` packings (fewest documents left out, then balance), and
-    its owner-first column loads."""
-    best, shift = None, None
+    its owner-first column loads. Where the first leaves documents out or moves queries (and
+    is within ``_CLAIM_BELOW`` of balance), one packing with claimed light tokens
+    (:meth:`_Packer._claim`) is tried too, and kept where it leaves fewer documents out, or as
+    many and is no worse in balance and either moves no query or needs no more keys on any
+    rank; kept at once if it moves no query."""
     docs = _Docs(lengths, causal, left, right)
     if _exact_applies(c, R, causal, left, len(docs.live), docs.tokens, seq_len):
         got = _two_shards(docs, seq_len)
         if got is not None:
             done = _finish([list(got[0])], [list(got[1])], seq_len, c).lengths
             return [got[0]], [got[1]], [], _column_loads(done, seq_len, c, causal, left, right)
-    for _ in range(_PASSES):
-        got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs).run()
-        done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
-        loads = _column_loads(done, seq_len, c, causal, left, right)
-        mean = sum(loads) / c
-        score = (len(got[2]), max(loads) / mean if mean else 1.0)
-        if _DEBUG:
-            print("pass", score)
-        if best is None or score < best[0]:
-            best = (score, got, loads)
+    args = (docs, lengths, seq_len, c, causal, left, right, R)
+    best = first = _pass(*args, None, False)
+    claimed = None
+    if (first[0][0] or first[0][1] > 1 + _PLANNER_TOLERANCE) and first[0][1] <= 1 + _CLAIM_BELOW:
+        claimed = _pass(*args, None, True)
+        if _better_claimed(claimed, first, seq_len, c, causal, left, right) and claimed[0] <= (
+            0,
+            1 + _PLANNER_TOLERANCE,
+        ):
+            return (*claimed[1], claimed[2])
+    shift = None
+    for _ in range(_PASSES - 1):
+        score, loads = best[0], best[2]
         if not 1 + _TOLERANCE < score[1] <= 1 + _RETRY_BELOW:
             break  # balanced, or a document alone outweighs a column: another pass cannot help
-        # the next pass aims each column lower by what this one ended above the mean
+        # the next pass aims each column lower by what the last one ended above the mean
+        mean = sum(loads) / c
         shift = [(shift[r] if shift else 0.0) + (loads[r] - mean) for r in range(c)]
-    assert best is not None
+        got = _pass(*args, shift, False)
+        if got[0] < best[0]:
+            best = got
+        else:
+            break
+    if claimed is not None and _better_claimed(claimed, best, seq_len, c, causal, left, right):
+        best = claimed
     return (*best[1], best[2])
+
+
+def _pass(
+    docs: _Docs,
+    lengths: list[int],
+    seq_len: int,
+    c: int,
+    causal: bool,
+    left: int,
+    right: int,
+    R: int,
+    shift,
+    claim: bool,
+):
+    """One packing: ``(score, packing, loads, padded lengths)``, the score ``(documents left
+    out, owner-first imbalance)``."""
+    got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs, claim).run()
+    done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
+    loads = _column_loads(done, seq_len, c, causal, left, right)
+    mean = sum(loads) / c
+    score = (len(got[2]), max(loads) / mean if mean else 1.0)
+    if _DEBUG:
+        print("pass", claim, score)
+    return score, got, loads, done
+
+
+def _better_claimed(new, old, seq_len: int, c: int, causal: bool, left: int, right: int) -> bool:
+    """Whether the packing with claimed light tokens replaces ``old`` (see :func:`_best_pass`)."""
+    (spill, imb), (spill0, imb0) = new[0], old[0]
+    if spill != spill0:
+        return spill < spill0
+    if imb > imb0:
+        return False
+    if imb <= 1 + _PLANNER_TOLERANCE:
+        return True  # no query moves now (some did)
+    keys = _straddle_keys(new[3], seq_len, c, causal, left, right)
+    return keys <= _straddle_keys(old[3], seq_len, c, causal, left, right)
+
+
+def _straddle_keys(lens: list[list[int]], seq_len: int, c: int, causal: bool, left: int, right: int) -> int:
+    """Most keys a rank needs from other ranks' shards when no query moves (summed over rows):
+    per shard, the part of a document crossing its start that lies before it (and, without
+    ``causal``, the part of one crossing its end that lies after it), within the window."""
+    step = -(-seq_len // c)
+    need = np.zeros(c, dtype=np.int64)
+    for row in lens:
+        ends = np.cumsum(np.asarray(row, dtype=np.int64))
+        starts = ends - np.asarray(row, dtype=np.int64)
+        lo = np.minimum(np.arange(c, dtype=np.int64) * step, seq_len)
+        hi = np.minimum(lo + step, seq_len)
+        k = np.searchsorted(ends, lo, side="right")  # the segment holding position lo (if any)
+        k = np.minimum(k, len(row) - 1)
+        before = np.where((starts[k] < lo) & (lo < ends[k]), lo - starts[k], 0)
+        need += before if left < 0 else np.minimum(before, left)
+        if not causal:
+            k = np.minimum(np.searchsorted(ends, hi - 1, side="right"), len(row) - 1)
+            after = np.where((starts[k] < hi) & (hi < ends[k]), ends[k] - hi, 0)
+            need += after if right < 0 else np.minimum(after, right)
+    return int(need.max())
 
 
 def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, n_rows: int | None):

@@ -342,6 +342,47 @@ def test_documents_of_a_whole_shard_are_placed_whole():
     assert max(loads) * c / sum(loads) <= 1.01
 
 
+def _bench_rows(dist: str, S: int, B: int) -> list[int]:
+    from bench.cp_model import make_layout
+
+    layout = make_layout(dist, S * B, B, 2026)  # bench_packing's documents (seed 2026)
+    return [e - s for row in layout.rows for s, e in row]
+
+
+def test_heavy_documents_leave_light_fill_to_their_columns():
+    """lognormal-512 in 8 rows of 128k over 16 ranks (bench_packing's cell): one document is
+    longer than a shard, and its last piece leaves its column only light documents. Counting on
+    the shortest ones, which are held back to close cells, put that column 1.4% over (189
+    queries moved); with claimed light tokens nothing moves and K/V stays under 1%."""
+    S, B, c = 1 << 17, 8, 16
+    lengths = _bench_rows("lognormal-512", S, B)
+    order = pack_order(lengths, S, cp_size=c)
+    _check_order(order, lengths, S)
+    plan = _plan(order, S, c)
+    loads = _owner_first(order, S, c)
+    assert max(loads) * c / sum(loads) <= 1.01
+    assert max(plan.q_moved_tokens) == 0
+    assert max(plan.kv_recv_tokens) <= 0.01 * B * S * (c - 1) // c
+    assert order.padded == 0
+
+
+def test_several_heavy_documents_keep_every_document_in_the_batch():
+    """The same documents over 32 ranks: six documents longer than a shard each claimed the
+    same light documents, the batch left one out and fell back to rows packed alone (imbalance
+    1.97, 3,196 queries moved). Claimed light tokens keep all in the 8-row assignment: K/V
+    under 1% of all-gather's and the imbalance within 3% (the planner still moves a few hundred
+    queries: this cell misses the goal, see docs/packing.md)."""
+    S, B, c = 1 << 17, 8, 32
+    lengths = _bench_rows("lognormal-512", S, B)
+    order = pack_order(lengths, S, cp_size=c)
+    _check_order(order, lengths, S)
+    plan = _plan(order, S, c)
+    loads = _owner_first(order, S, c)
+    assert max(loads) * c / sum(loads) <= 1.03
+    assert max(plan.q_moved_tokens) <= 1000
+    assert max(plan.kv_recv_tokens) <= 0.01 * B * S * (c - 1) // c
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("lookahead", [1, 3])
 @pytest.mark.parametrize("rows", [1, 2])
