@@ -97,7 +97,10 @@ def _package_line() -> str:
     except importlib.metadata.PackageNotFoundError:
         version = None
     if fa4.available():
-        return f"{fa4.PACKAGE}: installed ({version or 'version unknown'})"
+        from .kernels import fa4_launch
+
+        replay = "on" if fa4_launch.enabled() else "off (DOC_PACKED_FA4_REPLAY=0)"
+        return f"{fa4.PACKAGE}: installed ({version or 'version unknown'}); forward launch replay {replay}"
     return f"{fa4.PACKAGE}: not installed ({fa4.INSTALL_HINT})"
 
 
