@@ -189,6 +189,14 @@ class _Docs:
         self.tokens = int(self.fill_toks[-1])
 
 
+class _LeftOut(Exception):
+    """A packing pass with ``bail`` stops: this document will be left out whatever follows."""
+
+    def __init__(self, doc: int):
+        super().__init__(doc)
+        self.doc = doc
+
+
 class _Packer:
     """One batch of ``n_rows`` rows balanced over ``c`` columns (see the module docstring)."""
 
@@ -204,6 +212,7 @@ class _Packer:
         shift: Sequence[float] | None = None,
         docs: _Docs | None = None,
         claim: bool = False,
+        bail: bool = False,
     ):
         docs = docs or _Docs(lengths, causal, left, right)
         self.docs = docs
@@ -238,6 +247,7 @@ class _Packer:
         # cells with (they end up in every column: none can count on them; about as many as
         # run() keeps) and the light tokens columns claimed
         self.claiming = claim
+        self.bail = bail  # stop at the first document sure to be left out (_LeftOut)
         keep = min(len(docs.live) // 4, _RESERVE_PER_ROW * n_rows) if claim else 0
         self._held: tuple[float, float] = (docs.fill_toks_l[keep], docs.fill_work_l[keep])
         self._claims: dict[int, float] = {}  # column -> light tokens it claimed, in stacking order
@@ -778,6 +788,10 @@ class _Packer:
         rest = []
         for i in heavy:
             if not self._place_heavy(i):
+                if self.bail and self.L[i] > 2 * self.cs:
+                    # only a piece carried over one boundary can join a closed row later: a
+                    # document longer than two shards that found no place is left out for sure
+                    raise _LeftOut(i)
                 rest.append(i)
         rest += [i for i in live if not is_heavy[i]]
         if self.slack:
@@ -876,29 +890,39 @@ def _two_shards(docs: _Docs, seq_len: int):
     return order + rest, lens + [docs.L[i] for i in rest]
 
 
-def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int):
+def _best_pass(
+    lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int, bail: bool = False
+):
     """The better of up to ``_PASSES`` packings (fewest documents left out, then balance), and
     its owner-first column loads. Where the first leaves documents out or moves queries (and
     is within ``_CLAIM_BELOW`` of balance), one packing with claimed light tokens
     (:meth:`_Packer._claim`) is tried too, and kept where it leaves fewer documents out, or as
     many and is no worse in balance and either moves no query or needs no more keys on any
-    rank; kept at once if it moves no query."""
+    rank; kept at once if it moves no query. With ``bail`` (the caller has no use for a packing
+    that leaves documents out), a pass sure to leave one out stops there: that one is returned
+    as the only one left out, with no rows."""
     docs = _Docs(lengths, causal, left, right)
     if _exact_applies(c, R, causal, left, len(docs.live), docs.tokens, seq_len):
         got = _two_shards(docs, seq_len)
         if got is not None:
             done = _finish([list(got[0])], [list(got[1])], seq_len, c).lengths
             return [got[0]], [got[1]], [], _column_loads(done, seq_len, c, causal, left, right)
-    args = (docs, lengths, seq_len, c, causal, left, right, R)
-    best = first = _pass(*args, None, False)
+    args = (docs, lengths, seq_len, c, causal, left, right, R, bail)
+    try:
+        best = first = _pass(*args, None, False)
+    except _LeftOut as e:
+        return [], [], [e.doc], None
     claimed = None
     if (first[0][0] or first[0][1] > 1 + _PLANNER_TOLERANCE) and first[0][1] <= 1 + _CLAIM_BELOW:
-        claimed = _pass(*args, None, True)
-        if _better_claimed(claimed, first, seq_len, c, causal, left, right) and claimed[0] <= (
-            0,
-            1 + _PLANNER_TOLERANCE,
-        ):
-            return (*claimed[1], claimed[2])
+        try:
+            claimed = _pass(*args, None, True)
+        except _LeftOut:
+            claimed = None
+        if claimed is not None and _better_claimed(claimed, first, seq_len, c, causal, left, right):
+            if claimed[0] <= (0, 1 + _PLANNER_TOLERANCE):
+                return (*claimed[1], claimed[2])
+        else:
+            claimed = None
     shift = None
     for _ in range(_PASSES - 1):
         score, loads = best[0], best[2]
@@ -907,7 +931,10 @@ def _best_pass(lengths: list[int], seq_len: int, c: int, causal: bool, left: int
         # the next pass aims each column lower by what the last one ended above the mean
         mean = sum(loads) / c
         shift = [(shift[r] if shift else 0.0) + (loads[r] - mean) for r in range(c)]
-        got = _pass(*args, shift, False)
+        try:
+            got = _pass(*args, shift, False)
+        except _LeftOut:
+            break
         if got[0] < best[0]:
             best = got
         else:
@@ -926,12 +953,13 @@ def _pass(
     left: int,
     right: int,
     R: int,
-    shift,
+    bail: bool,
+    shift: Sequence[float] | None,
     claim: bool,
 ):
     """One packing: ``(score, packing, loads, padded lengths)``, the score ``(documents left
-    out, owner-first imbalance)``."""
-    got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs, claim).run()
+    out, owner-first imbalance)``. Raises :class:`_LeftOut` where ``bail`` stops it."""
+    got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs, claim, bail).run()
     done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
     loads = _column_loads(done, seq_len, c, causal, left, right)
     mean = sum(loads) / c
@@ -986,7 +1014,7 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
         # placing them one by one costs more than it gains; first-fit rows (the planner balances)
         fit = _first_fit(lengths, seq_len)
         return fit, [[lengths[i] for i in r] for r in fit], []
-    rows, lens, spill, loads = _best_pass(lengths, seq_len, c, causal, left, right, R)
+    rows, lens, spill, loads = _best_pass(lengths, seq_len, c, causal, left, right, R, n_rows is None)
     fit = _first_fit(lengths, seq_len) if n_rows is None else []
 
     if spill and n_rows is None:
@@ -996,7 +1024,7 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
         for row in fit:
             sub = [lengths[i] for i in row]
             if R > 1:  # (one row of all the documents: its pass is the one that just left some out)
-                one, one_lens, left_out, _ = _best_pass(sub, seq_len, c, causal, left, right, 1)
+                one, one_lens, left_out, _ = _best_pass(sub, seq_len, c, causal, left, right, 1, True)
                 if not left_out:
                     rows.append([row[j] if j != PAD else PAD for j in one[0]])
                     lens.append(one_lens[0])

@@ -383,6 +383,32 @@ def test_several_heavy_documents_keep_every_document_in_the_batch():
     assert max(plan.kv_recv_tokens) <= 0.01 * B * S * (c - 1) // c
 
 
+def test_a_pass_sure_to_leave_a_document_out_stops_early(monkeypatch):
+    """powerlaw in 8 rows of 128k over 64 ranks (bench_packing's slowest cell): documents of
+    several shards find no place in the 8-row assignment, so every row is packed again on its
+    own. A pass stops as soon as a document longer than two shards finds no place (nothing can
+    take it later); the rows are exactly those of the passes run to the end."""
+    import doc_packed.packing as P
+
+    S, B, c = 1 << 17, 8, 64
+    lengths = _bench_rows("powerlaw", S, B)
+    orig = P._best_pass
+    stopped = []
+
+    def spy(*args):
+        out = orig(*args)
+        stopped.append(out[3] is None and bool(out[2]))
+        return out
+
+    monkeypatch.setattr(P, "_best_pass", spy)
+    fast = pack_order(lengths, S, cp_size=c)
+    assert any(stopped), "the case should have a pass that stops early"
+    monkeypatch.setattr(P, "_best_pass", lambda *args: orig(*args[:7]))  # bail left at False
+    slow = pack_order(lengths, S, cp_size=c)
+    assert fast == slow
+    _check_order(fast, lengths, S)
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("lookahead", [1, 3])
 @pytest.mark.parametrize("rows", [1, 2])
