@@ -393,7 +393,7 @@ class _Packer:
             self.colw[r] += self._piece(n, a, e)
             self.colfree[r] -= e - a
         if self.claiming:
-            for r, _, _ in pieces[::-1]:  # the last piece (the heaviest) first: lightest fill
+            for r, _, _ in pieces:
                 self._claim(r)
             self._keys = self._end_keys(range(self.c))
         else:
