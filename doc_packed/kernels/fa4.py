@@ -10,11 +10,10 @@ The package is optional and imported on first use only: :func:`available` asks
 ``importlib`` whether it is installed without importing it, and ``import doc_packed`` never
 imports ``flash_attn``. Both passes call FA4's private ``_flash_attn_fwd`` / ``_flash_attn_bwd``
 (no autograd.Function: the op's own autograd already saved ``out`` and ``lse``), by keyword;
-a forward FA4 has run once for a spec and shapes is launched again without its Python
-(:mod:`.fa4_launch`);
 the import checks they exist and take those keywords, and raises :class:`Unavailable` naming
 the module otherwise. Inputs FA4 cannot take are caught by :func:`unsupported_reason` before
-any FA4 code runs, so its ``assert`` statements never fire on them.
+any FA4 code runs, so its ``assert`` statements never fire on them. A forward FA4 has run once
+for a spec and shapes is launched again without FA4's Python (:mod:`.fa4_launch`).
 """
 
 from __future__ import annotations
