@@ -200,24 +200,43 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
+    # per-step times from events between steps (no extra sync): a step that compiles a kernel
+    # for a layout not seen before (each step has a new one) shows up as an outlier
+    marks: list = []
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
+        marks.append(_mark(device))
         loss = step(i)
+    marks.append(_mark(device))
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
     dt = (time.perf_counter() - t0) / steps
+    per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
     res = dict(mode=mode, compile=str(choice), step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, warmup_s=first_s,
                flops=step_flops(cfg, batches[warmup:], S), loss=float(loss), attention=layout,
                inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
                cp=[c.cp for c in choices if c.cp][:1], predicted_step_s=predicted.total_us * 1e-6,
-               predicted=str(predicted))
+               predicted=str(predicted), step_times_s=per_step)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _mark(device):
+    """A point on the step timeline: a recorded CUDA event, or the host clock on CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed_s(a, b) -> float:
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 def worker(rank, world, port, args):
@@ -277,6 +296,9 @@ def worker(rank, world, port, args):
             print(f"| {r['mode']} | {r['compile'].split(':')[0]} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
                   f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
                   f"| {r['predicted_step_s']:.3f} | {pmfu:.2f} | {rel} |")
+        for r in rows:
+            if "step_times_s" in r:
+                print(f"{r['mode']}: step times ms " + " ".join(f"{1e3 * t:.1f}" for t in r["step_times_s"]))
         for r in rows:
             if "predicted" in r:
                 print(f"{r['mode']}: step model {r['predicted']}")
