@@ -14,6 +14,10 @@ relative error <= 1e-2 for out, <= 2e-2 for gradients, as tests/test_gpu.py).
 
 ``--impl DIR`` imports ``doc_packed`` from ``DIR`` (e.g. an older checkout, for a before/after).
 
+``--back-to-back N`` times N calls in a row per measurement (the host running ahead, as across
+the layers of a step) instead of one call between two events, which charges the host's lead-in
+to every call: the fairer figure for host-bound ranks (CP >= 8), applied to the anchor too.
+
     python bench/bench_cp_emulate.py --seq 131072 262144 --cp 2 4 8 --json out.json
     python bench/bench_cp_emulate.py --check --seq 16384 --cp 2 4
     python bench/bench_cp_emulate.py --packing both --seq 131072 262144 --cp 2 4 8   # greedy vs CP-aware rows
@@ -53,6 +57,12 @@ def _args():
         "--entry", choices=["op", "eager"], default="op",
         help="call torch.ops.doc_packed.attn_fwd with its autograd (as compiled graphs do), or "
         "doc_packed._eager.attention (what plain eager doc_packed_attn calls run)",
+    )
+    p.add_argument(
+        "--back-to-back", type=int, default=0, metavar="N",
+        help="time N calls launched back to back between two events, as the layers of a step run "
+        "(the host runs ahead), instead of one call between events (the default: the host's "
+        "lead-in to every call is charged to it); for the anchor and every rank alike",
     )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
@@ -199,9 +209,13 @@ def _problem(S, lengths, Hq, Hkv, D, seed=0):
 
 
 def _timed(fn, iters: int) -> float:
+    """Median ms of one call between two CUDA events (``--back-to-back N``: of N calls in a row,
+    divided by N)."""
     fn()
     fn()
     torch.cuda.synchronize()
+    if ARGS.back_to_back:
+        return _timed_back_to_back(fn, iters, ARGS.back_to_back)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
@@ -210,6 +224,19 @@ def _timed(fn, iters: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _timed_back_to_back(fn, iters: int, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
     return sorted(times)[len(times) // 2]
 
 
