@@ -60,11 +60,18 @@ def test_one_token_and_empty_shards_exact(run_ranks, world):
 def test_private_history_never_desynchronises(run_ranks):
     """Rank 0 alone evicts or forgets its cached layout (or bumps cu_seqlens' version) between two
     steps: it re-plans alone (no collective in planning) and both steps stay exact."""
-    kinds = ["local_calls", "add_zero", "clear", "thousands"]
-    results = run_ranks(divergent_history, 2, kinds)
-    for kind in kinds:
+    check_private_history(run_ranks(divergent_history, 2, HISTORY_KINDS), TOL)
+
+
+HISTORY_KINDS = ["local_calls", "add_zero", "clear", "thousands"]
+
+
+def check_private_history(results: list, tol: float) -> None:
+    """:func:`divergent_history`'s results over :data:`HISTORY_KINDS`: both steps exact, rank 0
+    re-planned alone, the layout cache bounded (also run on NCCL: test_cp_faults_nccl.py)."""
+    for kind in HISTORY_KINDS:
         for rank, r in enumerate(results):
-            assert max(r[kind][0]) < TOL, (kind, rank, r[kind])
+            assert max(r[kind][0]) < tol, (kind, rank, r[kind])
         assert results[1][kind][1] == 1, kind  # rank 1 planned once
         assert results[0][kind][1] == (1 if kind == "add_zero" else 2), (kind, results[0][kind])
         assert results[0][kind][2] <= 32  # the layout cache stays bounded (2000 layouts)
@@ -87,7 +94,12 @@ DIVERGENT = {
 def test_later_call_divergence_raises_same_error_everywhere(run_ranks):
     """After an agreed (cached) call, rank 1 differs in one input: every rank raises the very same
     ValueError naming the field and the ranks' values; then an agreed call runs exactly."""
-    results = run_ranks(later_divergence, 2, list(DIVERGENT))
+    check_later_divergence(run_ranks(later_divergence, 2, list(DIVERGENT)), TOL)
+
+
+def check_later_divergence(results: list, tol: float) -> None:
+    """:func:`later_divergence`'s results over :data:`DIVERGENT`: the very same ValueError on
+    every rank, naming the field and both ranks' values; the group still in step after it."""
     for what, field in DIVERGENT.items():
         messages = {r[what][1] for r in results}
         assert len(messages) == 1, (what, messages)  # the very same message on every rank
@@ -96,14 +108,18 @@ def test_later_call_divergence_raises_same_error_everywhere(run_ranks):
         assert "rank 0:" in message and "rank 1:" in message, (what, message)
         assert {r[what][2] for r in results} == {"ValueError"}
         for first, _, _, last in (r[what] for r in results):  # still in step after the error
-            assert first < TOL and last < TOL, what
+            assert first < tol and last < tol, what
 
 
 @pytest.mark.slow
 def test_forward_against_backward_raises_on_both(run_ranks):
-    results = run_ranks(pass_divergence, 2)
+    check_pass_divergence(run_ranks(pass_divergence, 2), TOL)
+
+
+def check_pass_divergence(results: list, tol: float) -> None:
+    """:func:`pass_divergence`'s results: one error naming the pass on both ranks, then exact."""
     assert results[0][0] == results[1][0] and "pass" in results[0][0], results
-    assert all(err < TOL for _, err in results)
+    assert all(err < tol for _, err in results)
 
 
 LOCAL_FAULTS = ["decreasing", "past_end", "shard_length", "batch", "q_dtype", "window", "backend", "k_heads"]
@@ -116,11 +132,19 @@ def test_rank_local_faults_raise_on_every_rank(run_ranks):
     same ValueError, which carries rank 1's own message; a clean step then runs exactly. The
     same fault on every rank: each raises its own error (its type kept). int64 cu_seqlens on one
     rank: all succeed (int64 accepted) or all raise one error."""
-    results = run_ranks(rank_local_fault, 2, LOCAL_FAULTS + SAME_FAULT + ["int64"])
-    for what in LOCAL_FAULTS + SAME_FAULT + ["int64"]:
+    check_rank_local_faults(run_ranks(rank_local_fault, 2, RANK_LOCAL_CASES), TOL)
+
+
+RANK_LOCAL_CASES = LOCAL_FAULTS + SAME_FAULT + ["int64"]
+
+
+def check_rank_local_faults(results: list, tol: float) -> None:
+    """:func:`rank_local_fault`'s results over :data:`RANK_LOCAL_CASES`: one outcome on every
+    rank (rank 1's own message, or each rank's own error when all are at fault), then exact."""
+    for what in RANK_LOCAL_CASES:
         got = [r[what][0] for r in results]
         assert len(set(got)) == 1, (what, got)  # the same outcome on every rank
-        assert all(r[what][1] < TOL for r in results), what  # and the group is still in step
+        assert all(r[what][1] < tol for r in results), what  # and the group is still in step
         if what == "int64":
             continue
         message, kind = got[0]

@@ -29,7 +29,16 @@ from cp_fault_cases import (
     rank_local_fault,
     shard_parity,
 )
-from test_cp_faults import DIVERGENT, LOCAL_FAULTS, SAME_FAULT, _shard_cases
+from test_cp_faults import (
+    DIVERGENT,
+    HISTORY_KINDS,
+    RANK_LOCAL_CASES,
+    _shard_cases,
+    check_later_divergence,
+    check_pass_divergence,
+    check_private_history,
+    check_rank_local_faults,
+)
 
 WORLD = 2
 DTYPE = torch.float32
@@ -68,48 +77,19 @@ def test_one_token_and_empty_shards_exact(ranks):
 def test_private_history_never_desynchronises(ranks):
     """Rank 0 alone evicts or forgets its cached layout (or bumps cu_seqlens' version) between two
     steps: it re-plans alone and both steps stay exact."""
-    kinds = ["local_calls", "add_zero", "clear", "thousands"]
-    results = ranks(divergent_history, kinds)
-    for kind in kinds:
-        for rank, r in enumerate(results):
-            assert max(r[kind][0]) < TOL, (kind, rank, r[kind])
-        assert results[1][kind][1] == 1, kind
-        assert results[0][kind][1] == (1 if kind == "add_zero" else 2), (kind, results[0][kind])
-        assert results[0][kind][2] <= 32
+    check_private_history(ranks(divergent_history, HISTORY_KINDS), TOL)
 
 
 def test_later_call_divergence_raises_same_error_everywhere(ranks):
-    results = ranks(later_divergence, list(DIVERGENT))
-    for what, field in DIVERGENT.items():
-        messages = {r[what][1] for r in results}
-        assert len(messages) == 1, (what, messages)
-        (message,) = messages
-        assert message is not None and "disagree" in message and field in message, (what, message)
-        assert "rank 0:" in message and "rank 1:" in message, (what, message)
-        assert {r[what][2] for r in results} == {"ValueError"}
-        for first, _, _, last in (r[what] for r in results):
-            assert first < TOL and last < TOL, what
+    check_later_divergence(ranks(later_divergence, list(DIVERGENT)), TOL)
 
 
 def test_forward_against_backward_raises_on_both(ranks):
-    results = ranks(pass_divergence)
-    assert results[0][0] == results[1][0] and "pass" in results[0][0], results
-    assert all(err < TOL for _, err in results)
+    check_pass_divergence(ranks(pass_divergence), TOL)
 
 
 def test_rank_local_faults_raise_on_every_rank(ranks):
-    results = ranks(rank_local_fault, LOCAL_FAULTS + SAME_FAULT + ["int64"])
-    for what in LOCAL_FAULTS + SAME_FAULT + ["int64"]:
-        got = [r[what][0] for r in results]
-        assert len(set(got)) == 1, (what, got)
-        assert all(r[what][1] < TOL for r in results), what
-        if what == "int64":
-            continue
-        message, kind = got[0]
-        if what in SAME_FAULT:
-            assert kind == ("TypeError" if what == "q_dtype_all" else "ValueError") and "rejected" not in message
-        else:
-            assert kind == "ValueError" and "rank 1" in message and "rejected their inputs" in message, (what, message)
+    check_rank_local_faults(ranks(rank_local_fault, RANK_LOCAL_CASES), TOL)
 
 
 def test_many_layouts_agree_and_stay_bounded(ranks):
