@@ -100,7 +100,9 @@ def _package_line() -> str:
         from .kernels import fa4_launch
 
         replay = "on" if fa4_launch.enabled() else "off (DOC_PACKED_FA4_REPLAY=0)"
-        return f"{fa4.PACKAGE}: installed ({version or 'version unknown'}); forward launch replay {replay}"
+        return (
+            f"{fa4.PACKAGE}: installed ({version or 'version unknown'}); launch replay (forward and backward) {replay}"
+        )
     return f"{fa4.PACKAGE}: not installed ({fa4.INSTALL_HINT})"
 
 

@@ -464,6 +464,6 @@ def test_interface_loads_where_warnings_are_errors(tmp_path, monkeypatch):
 
 def test_env_report_says_whether_forward_replay_is_on(monkeypatch):
     monkeypatch.setattr(fa4, "available", lambda: True)
-    assert "forward launch replay on" in env.report()
+    assert "launch replay (forward and backward) on" in env.report()
     monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
-    assert "forward launch replay off (DOC_PACKED_FA4_REPLAY=0)" in env.report()
+    assert "launch replay (forward and backward) off (DOC_PACKED_FA4_REPLAY=0)" in env.report()

@@ -136,3 +136,158 @@ def test_forward_records_once_per_spec_and_key_then_skips_fa4s_python(monkeypatc
     monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
     fa4.forward(spec, q, k, v, 0.5)
     assert calls["python"] == 6
+
+
+# ----------------------------------------------------------------------------- backward programs
+
+
+class _Aux:
+    """Like FA4's AuxData: an argument object that may hold tensors."""
+
+    def __init__(self, tensors=None):
+        self.tensors = tensors
+
+
+def _pre(out, dout, dpsum, lse, dq_accum, cu_q):
+    dpsum.copy_((out * dout).sum(-1).t())
+    dq_accum.fill_(float("nan"))  # the padding: a view at the wrong offset would read it
+    dq_accum[32 : 32 + out.numel()].zero_()
+
+
+def _main(q, k, v, dout, lse, dpsum, dq_accum, dk_accum, dv_accum, scale, cu_q, cu_k, aux):
+    n = (cu_k[1:] - cu_k[:-1]).float().sum()
+    dq_accum.view(q.shape).add_(dout * scale + k.mean(1, keepdim=True) + lse.t()[..., None] + dpsum.t()[..., None])
+    dk_accum.add_(q.sum(1, keepdim=True).expand_as(k) * scale + n)
+    dv_accum.add_(dout.sum(1, keepdim=True).expand_as(v) + v)
+
+
+def _post(accum, grad, scale):
+    grad.copy_(accum.view(grad.shape) * scale)
+
+
+def _fake_fa4_bwd(compute_op: bool = False, foreign: torch.Tensor | None = None, aux_tensor: bool = False):
+    """FA4's backward in shape: scratch allocated (some zeroed), five launches in order, some on
+    an offset view of an allocation, ``k.detach()`` passed, (dq, dk, dv) returned."""
+    cache = _JITCache()
+    calls = {"python": 0}
+    for name, kernel in (("pre", _pre), ("main", _main), ("post", _post)):
+        dict.__setitem__(cache, name, kernel)
+
+    def bwd(q, k, v, out, dout, lse, *, cu_seqlens_q, cu_seqlens_k, softmax_scale, **_):
+        calls["python"] += 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq_accum = torch.empty(q.numel() + 64)  # padded, as FA4 rounds its accumulators
+        dq_rows = dq_accum[32 : 32 + q.numel()].view(-1, q.shape[-1])  # launched as an offset view
+        dpsum = torch.empty(q.shape[1], q.shape[0])
+        dk_accum, dv_accum = torch.zeros(k.shape), torch.zeros(v.shape)
+        if compute_op:
+            dout = dout * 1.0  # arithmetic FA4 might do on an input: not a fixed program
+        cache["pre"](out, dout, dpsum, lse, dq_accum, cu_seqlens_q)
+        extra = foreign if foreign is not None else dk_accum
+        aux = _Aux([dq] if aux_tensor else None)
+        cache["main"](q, k.detach(), v, dout, lse, dpsum, dq_rows, extra, dv_accum, softmax_scale, cu_seqlens_q, cu_seqlens_k, aux)
+        cache["post"](dq_rows, dq.view(-1, q.shape[-1]), softmax_scale)
+        cache["post"](dk_accum, dk, 1.0)
+        cache["post"](dv_accum, dv, 1.0)
+        return dq, dk, dv
+
+    bwd.compile_cache = cache  # type: ignore[attr-defined]
+    return bwd, calls
+
+
+def _bwd_inputs(seed: int, T: int = 64, Hq: int = 4, Hkv: int = 2, D: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hq, D, generator=g)
+    kv = torch.randn(T, 2, Hkv, D, generator=g)  # k and v share a storage, as CP's received rows do
+    out, dout = torch.randn(T, Hq, D, generator=g), torch.randn(T, Hq, D, generator=g)
+    lse = torch.randn(Hq, T, generator=g)
+    return q, kv[:, 0], kv[:, 1], out, dout, lse
+
+
+def _bwd_kwargs(cu):
+    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=0.5)
+
+
+def test_backward_program_replays_a_full_call_on_new_inputs():
+    bwd, _ = _fake_fa4_bwd()
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    first = _bwd_inputs(0)
+    result, steps = fa4_launch.record_steps(bwd, first, (cu,), _bwd_kwargs(cu))
+    assert steps is not None
+    kinds = [s[0] for s in steps.steps]
+    assert kinds.count("launch") == 5 and kinds.count("new") == 7
+    assert [s[4] for s in steps.steps if s[0] == "new"] == [False] * 5 + [True] * 2  # zeroed: dk/dv_accum
+    for seed in (1, 2):
+        new = _bwd_inputs(seed)
+        ref = bwd(*new, **_bwd_kwargs(cu))
+        got = fa4_launch.replay_steps(steps, new)
+        assert len(got) == 3
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(got, result))
+
+
+def test_backward_replay_zeroes_what_fa4_zeroed():
+    bwd, _ = _fake_fa4_bwd()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    _, steps = fa4_launch.record_steps(bwd, _bwd_inputs(0), (cu,), _bwd_kwargs(cu))
+    garbage = [torch.full((4096,), float("nan")) for _ in range(8)]  # dirty the allocator's pool
+    del garbage
+    new = _bwd_inputs(3)
+    got = fa4_launch.replay_steps(steps, new)
+    assert all(torch.isfinite(g).all() for g in got)
+    assert torch.equal(got[2], bwd(*new, **_bwd_kwargs(cu))[2])  # dv reads the zeroed dv_accum
+
+
+@pytest.mark.parametrize(
+    "fake, why",
+    [
+        (dict(compute_op=True), "an arithmetic op on an input"),
+        (dict(foreign=torch.zeros(64, 2, 8)), "a tensor of unknown origin (a cache of FA4's)"),
+        (dict(aux_tensor=True), "an argument object holding a tensor"),
+    ],
+)
+def test_backward_calls_that_are_not_a_fixed_program_are_not_replayed(fake, why):
+    bwd, _ = _fake_fa4_bwd(**fake)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    result, steps = fa4_launch.record_steps(bwd, _bwd_inputs(0), (cu,), _bwd_kwargs(cu))
+    assert steps is None, why
+    assert result[0].shape == (64, 4, 8)  # FA4's own result still comes back
+
+
+def test_backward_program_keeps_no_tensor_of_the_recorded_call():
+    bwd, _ = _fake_fa4_bwd()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    inputs = _bwd_inputs(0)
+    result, steps = fa4_launch.record_steps(bwd, inputs, (cu,), _bwd_kwargs(cu))
+    refs = [weakref.ref(t) for t in (*inputs, *result)]
+    del inputs, result
+    gc.collect()
+    assert steps is not None and all(r() is None for r in refs)
+
+
+def test_steps_key_covers_layouts_and_refuses_misaligned_inputs():
+    inputs = _bwd_inputs(0)
+    key = fa4_launch.steps_key(inputs, 0.5, 0.0)
+    assert key is not None and key != fa4_launch.steps_key(inputs, 0.25, 0.0)
+    assert key != fa4_launch.steps_key((inputs[0].transpose(0, 1).contiguous().transpose(0, 1), *inputs[1:]), 0.5, 0.0)
+    q = inputs[0]
+    shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)
+    assert fa4_launch.steps_key((shifted, *inputs[1:]), 0.5, 0.0) is None
+
+
+def test_backward_records_once_per_spec_and_key_then_skips_fa4s_python(monkeypatch):
+    bwd, calls = _fake_fa4_bwd()
+    monkeypatch.setattr(fa4, "_interface", lambda: (None, bwd))
+    spec = VarlenSpec([0, 24, 64], [0, 24, 64], True, -1, 0, row_len=64)
+    for seed in range(3):
+        q, k, v, out, dout, lse = _bwd_inputs(seed)
+        got = fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+        ref = bwd(q, k, v, out, dout, lse, **fa4._args(spec, q, 0.5))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert calls["python"] == 1 + 3  # FA4's Python ran for the first backward only (+ the references)
+    fa4.backward(spec, dout, q, k, v, out, lse, 0.25)  # another scale: recorded by a full call
+    assert calls["python"] == 5
+    monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
+    fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+    assert calls["python"] == 6

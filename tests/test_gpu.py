@@ -135,7 +135,8 @@ REPLAY_CASES = [
 @pytest.mark.parametrize("case", REPLAY_CASES)
 def test_fa4_launch_replay_is_bitwise_a_full_call(case, monkeypatch):
     """The second forward of a spec launches FA4's compiled kernel directly
-    (doc_packed/kernels/fa4_launch.py): bitwise what FA4's full Python path gives."""
+    (doc_packed/kernels/fa4_launch.py): bitwise what FA4's full Python path gives; the second
+    backward runs FA4's recorded program: what the full path gives, within FA4's own spread."""
     from doc_packed import ops
     from doc_packed.kernels import fa4, fa4_launch
 
@@ -161,6 +162,21 @@ def test_fa4_launch_replay_is_bitwise_a_full_call(case, monkeypatch):
     assert (lse is None) == (ref_lse is None) == (not need_lse)
     if need_lse:
         assert torch.equal(lse, ref_lse)
+        # the backward: recorded by its first call, then replayed; FA4's accumulation order
+        # (atomics) may differ between its own runs, so within the op's gradient tolerance
+        monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "1")
+        g = torch.Generator(device="cuda").manual_seed(2)
+        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+        fa4.backward(spec, dout, *first, *fa4.forward(spec, *first, scale, softcap), scale, softcap)
+        programs = spec.cached(("fa4-steps",), dict)
+        assert programs and all(p is not None for p in programs.values()), "FA4 4.0.0b36's backward should be replayable"
+        got = fa4.backward(spec, dout, q, k, v, out, lse, scale, softcap)  # replayed
+        monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
+        want = fa4.backward(spec, dout, q, k, v, out, lse, scale, softcap)
+        again = fa4.backward(spec, dout, q, k, v, out, lse, scale, softcap)
+        for a, b, c in zip(got, want, again):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert rel(a, b) <= max(1e-3, 2 * rel(c, b))
 
 
 @needs_fa4

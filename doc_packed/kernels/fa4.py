@@ -12,8 +12,8 @@ imports ``flash_attn``. Both passes call FA4's private ``_flash_attn_fwd`` / ``_
 (no autograd.Function: the op's own autograd already saved ``out`` and ``lse``), by keyword;
 the import checks they exist and take those keywords, and raises :class:`Unavailable` naming
 the module otherwise. Inputs FA4 cannot take are caught by :func:`unsupported_reason` before
-any FA4 code runs, so its ``assert`` statements never fire on them. A forward FA4 has run once
-for a spec and shapes is launched again without FA4's Python (:mod:`.fa4_launch`).
+any FA4 code runs, so its ``assert`` statements never fire on them. A forward or backward FA4
+has run once for a spec and shapes is launched again without FA4's Python (:mod:`.fa4_launch`).
 """
 
 from __future__ import annotations
@@ -250,16 +250,36 @@ def backward(
     FA4's Hopper backward takes grouped K/V heads only when v's head dim equals q's: otherwise
     it runs on K/V repeated per q head and the groups' gradients are summed (float32 inside
     ``sum``, one rounding), so ``auto`` keeps FA4 for e.g. 192 / 128 with GQA."""
-    _, bwd = _interface()
-    extra = {"softcap": softcap} if softcap else {}
     group = q.shape[1] // k.shape[1]
     if group > 1 and v.shape[-1] != q.shape[-1] and _gqa_backward_needs_equal_head_dims(q):
         kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        dq, dk, dv = bwd(q, kr, vr, out, dout, lse, **_args(spec, q, scale), **extra)[:3]
+        dq, dk, dv = _backward(spec, (q, kr, vr, out, dout, lse), scale, softcap)
         T, Hkv = k.shape[0], k.shape[1]
         return dq, dk.view(T, Hkv, group, -1).sum(2), dv.view(T, Hkv, group, -1).sum(2)
-    dq, dk, dv = bwd(q, k, v, out, dout, lse, **_args(spec, q, scale), **extra)[:3]
-    return dq, dk, dv
+    return _backward(spec, (q, k, v, out, dout, lse), scale, softcap)
+
+
+def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softcap: float):
+    """FA4's backward on ``(q, k, v, out, dout, lse)``: recorded by its first call per spec and
+    key, replayed after (:func:`fa4_launch.replay_steps`), as the forward."""
+    key = fa4_launch.steps_key(tensors, scale, softcap) if fa4_launch.enabled() else None
+    programs = None if key is None else spec.cached(("fa4-steps",), dict)  # key -> Steps, or None
+    steps = None if programs is None else programs.get(key, _UNSEEN)
+    if steps is not None and steps is not _UNSEEN:
+        dq, dk, dv = fa4_launch.replay_steps(steps, tensors)
+        return dq, dk, dv
+    _, bwd = _interface()
+    kwargs = _args(spec, tensors[0], scale)
+    if softcap:
+        kwargs = {**kwargs, "softcap": softcap}
+    if steps is _UNSEEN:
+        assert programs is not None
+        offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        result, steps = fa4_launch.record_steps(bwd, tensors, offsets, kwargs)
+        if len(programs) < _MAX_LAUNCHES:
+            programs[key] = steps
+        return result[:3]
+    return bwd(*tensors, **kwargs)[:3]
 
 
 def _gqa_backward_needs_equal_head_dims(q: Tensor) -> bool:

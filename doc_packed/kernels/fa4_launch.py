@@ -1,4 +1,4 @@
-"""FA4's forward launched again without its Python: the compiled kernel, recorded once per problem.
+"""FA4's passes launched again without its Python: the compiled kernels, recorded once per problem.
 
 FA4's ``_flash_attn_fwd`` spends ~60 us of Python per call on an H200's host (argument checks,
 tile and scheduler choice, a ~70-field compile key) before a launch that takes ~5-10 us
@@ -15,6 +15,15 @@ first and otherwise only the spec's offsets and values (FA4's own scheduler meta
 made of a non-contiguous input), or an entry point without FA4's ``compile_cache``. Sinks are not replayed (their float32 copy is made per call).
 ``DOC_PACKED_FA4_REPLAY=0`` turns replay off. FA4's arguments are private to it: a release that
 reorders them fails the checks and is simply not replayed.
+
+The backward (``_flash_attn_bwd``: ~80 us of Python around five launches, a preprocess, the main
+kernel and three conversions, on torch scratch it allocates and partly zeroes) is recorded as a
+:class:`Steps` program (:func:`record_steps`, :func:`replay_steps`): FA4 runs once under a
+``TorchDispatchMode`` that sees every tensor op, so the program holds exactly its allocations
+(shape, strides, dtype, zeroed or not), its launches in order with each tensor argument traced
+to an input, an allocation or one of the spec's offsets (views by storage, strides and offset),
+and which allocations are returned. Any other tensor op (a copy, arithmetic), a tensor argument
+of unknown origin, or an argument object holding tensors, and the call is never replayed.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Launch", "enabled", "key", "record", "replay"]
+__all__ = ["Launch", "Steps", "enabled", "key", "record", "record_steps", "replay", "replay_steps", "steps_key"]
 
 _ALIGN = 16  # bytes: FA4 compiles its q/k/v/out tensors assuming this alignment
 _lock = threading.Lock()
@@ -77,12 +87,10 @@ def record(fwd: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, offsets: tu
     cache = getattr(fwd, "compile_cache", None)
     if cache is None:  # not FA4's JIT-cached entry point: nothing to watch
         return fwd(q, k, v, **kwargs), None
-    cls = type(cache)
-    original = cls.__getitem__
     seen: list[tuple[Callable[..., Any], tuple]] = []
 
-    def spy(self, compile_key):
-        fn = original(self, compile_key)
+    def spy(original, cache, compile_key):
+        fn = original(cache, compile_key)
 
         def launch(*args):
             seen.append((fn, args))
@@ -90,13 +98,24 @@ def record(fwd: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, offsets: tu
 
         return launch
 
-    with _lock:
-        cls.__getitem__ = spy
-        try:
-            result = fwd(q, k, v, **kwargs)
-        finally:
-            cls.__getitem__ = original
+    with _lock, _spying(type(cache), spy):
+        result = fwd(q, k, v, **kwargs)
     return result, _launch(seen, (q, k, v), result[0], result[1], offsets)
+
+
+class _spying:
+    """Inside the block, ``cls.__getitem__(cache, key)`` is ``spy(original, cache, key)``
+    (FA4's JIT caches share a class); entered under ``_lock``."""
+
+    def __init__(self, cls: type, spy: Callable[..., Any]):
+        self.cls, self.spy = cls, spy
+
+    def __enter__(self) -> None:
+        original = self.original = getattr(self.cls, "__getitem__")
+        setattr(self.cls, "__getitem__", lambda cache, key: self.spy(original, cache, key))
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.cls, "__getitem__", self.original)
 
 
 def _same(a: object, t: Tensor) -> bool:
@@ -124,3 +143,180 @@ def replay(launch: Launch, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Ten
     tensors = [t.detach() if t.requires_grad else t for t in (q, k, v)]
     launch.fn(*tensors, out, lse, *launch.args[5:])
     return out, lse
+
+
+# ----------------------------------------------------------------------------- programs (backward)
+
+
+class Steps(NamedTuple):
+    """A recorded FA4 call as a program over slots: slots ``0..n_inputs-1`` are the call's
+    tensors, then one per allocation. ``steps``: ``("new", shape, stride, dtype, zeroed)``,
+    ``("zero", slot)`` or ``("launch", fn, fixed_args, slot_args, view_args)``; ``outputs``: the
+    slots returned."""
+
+    n_inputs: int
+    steps: tuple
+    outputs: tuple[int, ...]
+
+
+def steps_key(tensors: tuple[Tensor, ...], scale: float, softcap: float) -> tuple | None:
+    """What (besides the spec) FA4's choices depend on for a call on ``tensors``; None when a
+    tensor is misaligned (its compiled kernels assume 16-byte starts)."""
+    parts: list = ["fa4-steps", scale, softcap]
+    for t in tensors:
+        if t.data_ptr() % _ALIGN:
+            return None
+        parts += [t.shape, t.stride(), t.dtype]
+    parts.append(tensors[0].device)
+    return tuple(parts)
+
+
+_NEW = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default"}
+_NEW_ZEROED = {"zeros.default", "zeros_like.default", "new_zeros.default"}
+
+
+class _Watch(TorchDispatchMode):
+    """Every tensor op of the watched call outside its launches (``paused``), in order with the
+    launches (``events``)."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            self.events.append(("op", func, args, out))
+        return out
+
+
+def record_steps(fn: Callable[..., Any], inputs: tuple[Tensor, ...], offsets: tuple, kwargs: dict):
+    """``(fn(*inputs, **kwargs), steps)``: FA4's own result and, when it can be replayed, the
+    program it ran (else None). ``offsets``: the spec's tensors among ``kwargs``."""
+    cache = getattr(fn, "compile_cache", None)
+    if cache is None:
+        return fn(*inputs, **kwargs), None
+    events: list = []
+    watch = _Watch(events)
+
+    def spy(original, cache, compile_key):
+        kernel = original(cache, compile_key)
+
+        def launch(*args):
+            events.append(("launch", kernel, args))
+            watch.paused = True  # a compiled kernel's own work is not the program's
+            try:
+                return kernel(*args)
+            finally:
+                watch.paused = False
+
+        return launch
+
+    with _lock, _spying(type(cache), spy), watch:
+        result = fn(*inputs, **kwargs)
+    outs = result if isinstance(result, tuple) else (result,)
+    return result, _program(events, inputs, offsets, outs)
+
+
+def _holds_tensor(obj: object, depth: int = 0) -> bool:
+    if isinstance(obj, Tensor):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_tensor(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return any(_holds_tensor(x, depth + 1) for x in obj.values())
+    fields = getattr(obj, "__dict__", None)
+    return isinstance(fields, dict) and any(_holds_tensor(x, depth + 1) for x in fields.values())
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tuple) -> Steps | None:
+    slots: list[Tensor] = list(inputs)  # tensors by slot (kept only while building)
+    steps: list = []
+    launched = False
+
+    def slot_of(t: Tensor) -> tuple | None:
+        """``(slot,)`` for a slot's tensor itself, ``(slot, offset, shape, stride)`` for a view
+        of one slot's storage, None when unknown or ambiguous."""
+        for i, s in enumerate(slots):
+            if _same(t, s):
+                return (i,)
+        owners = [i for i, s in enumerate(slots) if _storage(s) == _storage(t)]
+        if len(owners) != 1:
+            return None
+        i = owners[0]
+        return (i, t.storage_offset() - slots[i].storage_offset(), tuple(t.shape), t.stride())
+
+    for event in events:
+        if event[0] == "launch":
+            _, kernel, args = event
+            fixed: list = list(args)
+            by_slot: list[tuple] = []
+            by_view: list[tuple] = []
+            for pos, a in enumerate(args):
+                if isinstance(a, Tensor):
+                    if any(a is o or _same(a, o) for o in offsets):
+                        continue  # the spec's offsets: the same tensors on every call
+                    where = slot_of(a)
+                    if where is None:
+                        return None
+                    fixed[pos] = None
+                    (by_slot if len(where) == 1 else by_view).append((pos, *where))
+                elif _holds_tensor(a):
+                    return None
+            steps.append(("launch", kernel, tuple(fixed), tuple(by_slot), tuple(by_view)))
+            launched = True
+            continue
+        _, func, args, out = event
+        name = f"{func._opname}.{func._overloadname}"
+        if name in _NEW or name in _NEW_ZEROED:
+            if not isinstance(out, Tensor) or out.storage_offset() != 0:
+                return None
+            steps.append(("new", tuple(out.shape), out.stride(), out.dtype, name in _NEW_ZEROED))
+            slots.append(out)
+        elif name == "zero_.default" or (name == "fill_.Scalar" and args[1] == 0):
+            where = slot_of(args[0])
+            if where is None or len(where) != 1 or where[0] < len(inputs):
+                return None  # zeroing part of a buffer, or an input
+            steps.append(("zero", where[0]))
+        elif not func.is_view:
+            return None  # arithmetic or a copy: not a fixed program of launches
+    if not launched:
+        return None
+    out_slots = []
+    for t in outs:
+        where = None if not isinstance(t, Tensor) else slot_of(t)
+        if where is None or len(where) != 1 or where[0] < len(inputs):
+            return None
+        out_slots.append(where[0])
+    return Steps(len(inputs), tuple(steps), tuple(out_slots))
+
+
+def replay_steps(steps: Steps, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The recorded program on new ``inputs`` (same key as when recorded): its outputs."""
+    env: list[Tensor] = [t.detach() if t.requires_grad else t for t in inputs]
+    device = inputs[0].device
+    for step in steps.steps:
+        kind = step[0]
+        if kind == "launch":
+            _, kernel, fixed, by_slot, by_view = step
+            args = list(fixed)
+            for pos, i in by_slot:
+                args[pos] = env[i]
+            for pos, i, offset, shape, stride in by_view:
+                base = env[i]
+                args[pos] = base.as_strided(shape, stride, base.storage_offset() + offset)
+            kernel(*args)
+        elif kind == "new":
+            _, shape, stride, dtype, zeroed = step
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            env.append(t.zero_() if zeroed else t)
+        else:
+            env[step[1]].zero_()
+    return tuple(env[i] for i in steps.outputs)
