@@ -27,6 +27,16 @@ Where that packing leaves documents out or moves queries, one more is tried in w
 a heavy document's piece leaves room only for light documents *claims* the lightest tokens it
 needs (the shortest documents held back for step 3 excluded): later heavy documents count only
 on the rest, so no two columns are promised the same light documents (:meth:`_Packer._claim`).
+Where the claimed packing still moves queries (or the first left documents out), its heavy
+documents are also *evened*: a last piece placed for the fewest keys leaves its column just
+enough room for the lightest documents, and closing a cell before a heavy document can shift
+it left (each token of shift puts a shard's length of pairs more on a whole-shard piece); a shorter
+last piece (at most ``_EVEN_KEYS`` of all-gather's keys more) moves work to the document's other
+pieces until the worst of its columns is lowest. Last, a packing whose heaviest column is at
+most ``_CLAIM_BELOW`` over is brought under the planner's tolerance where *trades between
+cells* can (:func:`_trade_cells`: a document of that column for shorter ones of equal total
+length from a column with room; no cell changes length and no straddling document moves, so
+the keys stay the same).
 
 Without ``cp_size`` it packs first-fit in the given order (the historical behaviour).
 """
@@ -55,6 +65,10 @@ _RETRY_BELOW = 0.05  # ... and above which a second pass does not help (measured
 _PLANNER_TOLERANCE = 0.01  # the runtime planner moves queries above this imbalance
 _CLAIM_BELOW = 0.1  # claimed light tokens are tried below this imbalance (above it a document
 # alone outweighs a column, and claims do not change that; measured on the bench grid)
+_EVEN_KEYS = 0.002  # keys an even split may add to a heavy document's last rank, of all-gather's
+_TRADES = 32  # trades between cells at most (_trade_cells)
+_TRADE_LONGEST = 2048  # longest document a trade gives (the subset sums it takes cost its length)
+_TRADE_GOAL = 0.008  # ... which aim each column this far below the planner's tolerance
 _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding: <= 64 per token)
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
 _SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
@@ -213,6 +227,7 @@ class _Packer:
         docs: _Docs | None = None,
         claim: bool = False,
         bail: bool = False,
+        even: int | None = None,
     ):
         docs = docs or _Docs(lengths, causal, left, right)
         self.docs = docs
@@ -248,6 +263,9 @@ class _Packer:
         # run() keeps) and the light tokens columns claimed
         self.claiming = claim
         self.bail = bail  # stop at the first document sure to be left out (_LeftOut)
+        # with ``even``: a heavy document's last piece is shortened (its rank receives up to
+        # ``even`` keys from it) where that evens the columns of its pieces (:meth:`_best_end`)
+        self.even = even
         keep = min(len(docs.live) // 4, _RESERVE_PER_ROW * n_rows) if claim else 0
         self._held: tuple[float, float] = (docs.fill_toks_l[keep], docs.fill_work_l[keep])
         self._claims: dict[int, float] = {}  # column -> light tokens it claimed, in stacking order
@@ -412,7 +430,9 @@ class _Packer:
     def _best_end(self, b: int, k: int, n: int, memo: dict):
         """Best placement of ``n`` tokens ending in cell (b, k): (score, b, start) or None.
         The score depends on the row only through the range of last-piece lengths it allows:
-        ``memo`` (one per end column and document) keeps the scores and the fits tried."""
+        ``memo`` (one per end column and document) keeps the scores and the fits tried. The
+        last piece is the longest that fits; with ``self.even``, up to that many tokens shorter
+        where that lowers the worst column of the document's pieces (evened)."""
         lo, fe = self.lo[k], self.fe[b][k]
         y_max = min(fe - lo - self.used[b][k], n)  # the cell's documents still fit after it
         # leftmost start allowed: walk back over cells that are free and empty
@@ -439,7 +459,7 @@ class _Packer:
         def over(y: int) -> tuple[float, float]:
             """(last piece's column over its target, worst other column over its target)."""
             s = lo + y - n
-            last, other = 0.0, 0.0
+            last, other = 0.0, -math.inf
             colw, colfree, tg, lo_, hi_ = self.colw, self.colfree, self.tg, self.lo, self.hi
             r = min(s // self.cs, self.c - 1)  # the pieces, as _pieces(n, s)
             e = s + n
@@ -482,7 +502,25 @@ class _Packer:
                     z = m - 1
             y = a
         last, other = over(y)
-        worst = max(last, other)
+        if self.even is not None and y < n and last > other:
+            # a shorter last piece moves work to the document's other pieces (the last one's
+            # column falls as y does, the others' rise): the y where they meet leaves the most
+            # room in the worst of them for the documents that fill them, at more keys
+            floor = max(y_min, y - self.even)
+            a, z = floor, y
+            while a < z:
+                m = (a + z) // 2
+                lm, om = over(m)
+                if lm >= om:
+                    z = m
+                else:
+                    a = m + 1
+            if a < y:
+                y2 = min((v for v in (a - 1, a) if v >= floor), key=lambda v: max(over(v)))
+                if max(over(y2)) < last:
+                    y = y2
+                    last, other = over(y)
+        worst = max(last, other, 0.0)  # (other: -inf for a document whole in one cell)
         kv = 0 if y == n else n - y
         feasible = worst <= 1e-9
         score = (0 if feasible else 1, kv if feasible else worst, kv)
@@ -836,6 +874,112 @@ def _column_loads(lens: list[list[int]], seq_len: int, c: int, causal: bool, lef
     return per_cell.sum(axis=0).tolist()
 
 
+def _trade_cells(
+    rows: list[list[int]], lens: list[list[int]], loads: list[int], docs: _Docs, seq_len: int, c: int
+) -> tuple[list[list[int]], list[list[int]], list[int]] | None:
+    """Rows whose heaviest column is brought within the planner's tolerance by trades between
+    cells: a whole document of the heaviest column for documents of the same total length and
+    less work from one cell of a column with room (the least-work such set: subset sum), the
+    trade that leaves the larger of the two columns lowest first. Every cell keeps its length
+    and every straddling document its place, so ranks need the same keys. Returns the rows,
+    lengths and loads, or None where some column stays above the tolerance."""
+    cs = -(-seq_len // c)
+    load = np.asarray(loads, dtype=np.int64)
+    mean = float(load.sum()) / c
+    goal, cap = mean * (1 + _TRADE_GOAL), mean * (1 + _PLANNER_TOLERANCE)
+    work = docs.work
+    cells: dict[tuple[int, int], dict[int, int]] = {}  # (row, column) -> its whole documents' lengths
+    for b, (row, ln) in enumerate(zip(rows, lens)):
+        at = 0
+        for i, n in zip(row, ln):
+            if i != PAD and at // cs == (at + n - 1) // cs:
+                cells.setdefault((b, at // cs), {})[i] = n
+            at += n
+    # the longest document a trade gives: of the columns above the goal, at most _TRADE_LONGEST
+    X = min(max((n for (_, r), d in cells.items() if load[r] > goal for n in d.values()), default=0), _TRADE_LONGEST)
+    if X < 2:
+        return None if load.max() > cap else (rows, lens, load.tolist())
+    keys = list(cells)
+    col = np.asarray([r for _, r in keys], dtype=np.int64)
+    big = np.int64(1) << 60
+    least = np.full((len(keys), X + 1), big, dtype=np.int64)  # per cell: least work of t tokens
+
+    def fill(k: int) -> None:
+        t = least[k]
+        t[:] = big
+        t[0] = 0
+        for i, n in cells[keys[k]].items():
+            if n <= X:
+                t[n:] = np.minimum(t[n:], t[: X + 1 - n] + work[i])
+
+    for k in range(len(keys)):
+        fill(k)
+    rows, lens = [list(r) for r in rows], [list(x) for x in lens]
+    for _ in range(_TRADES):
+        h = int(load.argmax())
+        if load[h] <= goal:
+            break
+        xs = [(i, n, k) for k, key in enumerate(keys) if key[1] == h for i, n in cells[key].items() if 1 < n <= X]
+        if not xs:
+            break
+        xn = np.fromiter((n for _, n, _ in xs), dtype=np.int64, count=len(xs))
+        xw = np.fromiter((work[i] for i, _, _ in xs), dtype=np.int64, count=len(xs))
+        gain = xw[None, :] - least[:, xn]  # [cells, documents of h]
+        gain[col == h] = 0
+        if load[h] - np.maximum(gain.max(axis=0), 0).sum() > cap:
+            break  # every document of h traded at its best would not bring it under: give up
+        after = np.maximum(load[h] - gain, load[col][:, None] + gain)
+        after[(gain <= 0) | (load[col] >= goal)[:, None]] = big
+        j = int(np.argmin(after))
+        if not after.flat[j] < load[h]:
+            break
+        ko, kx = divmod(j, len(xs))
+        x, nx, kh = xs[kx]
+        (b, _), (b2, r2) = keys[kh], keys[ko]
+        take = _least_set(cells[keys[ko]], nx, work)
+        g = int(gain[ko, kx])
+        load[h] -= g
+        load[r2] += g
+        # rows: x's place takes the set, the set's first document's place takes x
+        into = {x: [(i, cells[keys[ko]][i]) for i in take]}
+        into.update({i: [] for i in take})
+        into[next(i for i in rows[b2] if i in into and i != x)] = [(x, nx)]
+        for bb in {b, b2}:
+            row, ln = [], []
+            for i, n in zip(rows[bb], lens[bb]):
+                for m, q in into.get(i, [(i, n)]) if i != PAD else [(i, n)]:
+                    row.append(m)
+                    ln.append(q)
+            rows[bb], lens[bb] = row, ln
+        for i in take:
+            cells[keys[kh]][i] = cells[keys[ko]].pop(i)
+        cells[keys[ko]][x] = cells[keys[kh]].pop(x)
+        fill(kh)
+        fill(ko)
+    if load.max() > cap:
+        return None
+    return rows, lens, load.tolist()
+
+
+def _least_set(cell: dict[int, int], total: int, work: list[int]) -> list[int]:
+    """The documents of ``cell`` (doc -> length) summing to ``total`` tokens with the least work
+    (one exists), by subset sum traced back."""
+    items = [(i, n) for i, n in cell.items() if n <= total]
+    big = np.int64(1) << 60
+    tables = [np.full(total + 1, big, dtype=np.int64)]
+    tables[0][0] = 0
+    for i, n in items:
+        t = tables[-1].copy()
+        t[n:] = np.minimum(t[n:], tables[-1][: total + 1 - n] + work[i])
+        tables.append(t)
+    out, t = [], total
+    for k in range(len(items), 0, -1):
+        if tables[k][t] != tables[k - 1][t]:
+            out.append(items[k - 1][0])
+            t -= items[k - 1][1]
+    return out
+
+
 def _exact_applies(c: int, R: int, causal: bool, left: int, docs: int, tokens: int, seq_len: int) -> bool:
     """Whether :func:`_two_shards` takes the batch: one row over 2 ranks, causal without a
     window, 1 to ``_EXACT_DOCS`` documents."""
@@ -898,7 +1042,11 @@ def _best_pass(
     is within ``_CLAIM_BELOW`` of balance), one packing with claimed light tokens
     (:meth:`_Packer._claim`) is tried too, and kept where it leaves fewer documents out, or as
     many and is no worse in balance and either moves no query or needs no more keys on any
-    rank; kept at once if it moves no query. With ``bail`` (the caller has no use for a packing
+    rank; kept at once if it moves no query. Its heavy documents are evened (``even``, see
+    :meth:`_Packer._best_end`) where the first left documents out; where it improved on the
+    first but still moves queries, one more claimed packing with them evened is tried and kept
+    on the same terms. A result that still moves queries gets :func:`_trade_cells`, kept
+    where they bring it within the planner's tolerance. With ``bail`` (the caller has no use for a packing
     that leaves documents out), a pass sure to leave one out stops there: that one is returned
     as the only one left out, with no rows."""
     docs = _Docs(lengths, causal, left, right)
@@ -914,10 +1062,20 @@ def _best_pass(
         return [], [], [e.doc], None
     claimed = None
     if (first[0][0] or first[0][1] > 1 + _PLANNER_TOLERANCE) and first[0][1] <= 1 + _CLAIM_BELOW:
+        # where the first left documents out, room is contested: heavy pieces are evened at once
+        even = _even_keys(R, seq_len, c)
         try:
-            claimed = _pass(*args, None, True)
+            claimed = _pass(*args, None, True, even if first[0][0] else None)
         except _LeftOut:
             claimed = None
+        if claimed is not None and not first[0][0] and (0, 1 + _PLANNER_TOLERANCE) < claimed[0] < first[0]:
+            # better than the first but still moving queries: again with heavy documents evened
+            try:
+                evened = _pass(*args, None, True, even)
+            except _LeftOut:
+                evened = None
+            if evened is not None and _better_claimed(evened, claimed, seq_len, c, causal, left, right):
+                claimed = evened
         if claimed is not None and _better_claimed(claimed, first, seq_len, c, causal, left, right):
             if claimed[0] <= (0, 1 + _PLANNER_TOLERANCE):
                 return (*claimed[1], claimed[2])
@@ -941,6 +1099,10 @@ def _best_pass(
             break
     if claimed is not None and _better_claimed(claimed, best, seq_len, c, causal, left, right):
         best = claimed
+    if not best[0][0] and 1 + _PLANNER_TOLERANCE < best[0][1] <= 1 + _CLAIM_BELOW:
+        traded = _trade_cells(best[1][0], best[1][1], best[2], docs, seq_len, c)
+        if traded is not None:  # no query moves now
+            return traded[0], traded[1], best[1][2], traded[2]
     return (*best[1], best[2])
 
 
@@ -956,17 +1118,24 @@ def _pass(
     bail: bool,
     shift: Sequence[float] | None,
     claim: bool,
+    even: int | None = None,
 ):
     """One packing: ``(score, packing, loads, padded lengths)``, the score ``(documents left
     out, owner-first imbalance)``. Raises :class:`_LeftOut` where ``bail`` stops it."""
-    got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs, claim, bail).run()
+    got = _Packer(lengths, seq_len, c, causal, left, right, R, shift, docs, claim, bail, even).run()
     done = _finish([list(r) for r in got[0]], [list(x) for x in got[1]], seq_len, c).lengths
     loads = _column_loads(done, seq_len, c, causal, left, right)
     mean = sum(loads) / c
     score = (len(got[2]), max(loads) / mean if mean else 1.0)
     if _DEBUG:
-        print("pass", claim, score)
+        print("pass", claim, even, score)
     return score, got, loads, done
+
+
+def _even_keys(R: int, seq_len: int, c: int) -> int:
+    """Keys a heavy document's last rank may receive from it where that evens its pieces'
+    columns (:meth:`_Packer._best_end`): ``_EVEN_KEYS`` of all-gather's per rank."""
+    return int(_EVEN_KEYS * R * (seq_len - -(-seq_len // c)))
 
 
 def _better_claimed(new, old, seq_len: int, c: int, causal: bool, left: int, right: int) -> bool:

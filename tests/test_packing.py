@@ -372,17 +372,85 @@ def test_heavy_documents_leave_light_fill_to_their_columns():
     assert order.padded == 0
 
 
-def test_several_heavy_documents_keep_every_document_in_the_batch():
-    """The same documents over 32 ranks: six documents longer than a shard each claimed the
-    same light documents, the batch left one out and fell back to rows packed alone (imbalance
-    1.97, 3,196 queries moved). Claimed light tokens keep all in the 8-row assignment: K/V
-    under 1% of all-gather's and the imbalance within 3% (the planner still moves a few hundred
-    queries: this cell misses the goal, see docs/packing.md)."""
+def test_several_heavy_documents_meet_the_goal():
+    """The same documents over 32 ranks (a shard holds 8 mean documents: a goal cell). Six
+    documents longer than a shard put pieces in 11 columns. Placed for the fewest keys, each
+    left its last column room only for the lightest documents, which the other columns took
+    (365 queries moved, imbalance 1.016). The first packing leaves a document out, so the
+    claimed pass also evens each heavy document's pieces (its last piece a little shorter, a few
+    more keys): the goal holds, zero queries moved, K/V <= 1% of all-gather's, no padding."""
     S, B, c = 1 << 17, 8, 32
-    _, plan, imbalance = _bench_cell("lognormal-512", S, B, c)
-    assert imbalance <= 1.03
-    assert max(plan.q_moved_tokens) <= 1000
+    order, plan, imbalance = _bench_cell("lognormal-512", S, B, c)
+    assert imbalance <= 1.01
+    assert max(plan.q_moved_tokens) == 0
+    assert plan.imbalance <= 1.02
     assert max(plan.kv_recv_tokens) <= 0.01 * B * S * (c - 1) // c
+    assert order.padded <= 0.005 * B * S
+
+
+def _straddlers(rows, lens, cs):
+    """(row, start, doc, length) of every segment that crosses a shard boundary."""
+    out = []
+    for b, (row, ln) in enumerate(zip(rows, lens)):
+        at = 0
+        for i, n in zip(row, ln):
+            if at // cs != (at + n - 1) // cs:
+                out.append((b, at, i, n))
+            at += n
+    return out
+
+
+def _cell_tokens(rows, lens, cs, c):
+    """Tokens of whole (non-straddling) documents per (row, column)."""
+    out = [[0] * c for _ in rows]
+    for b, (row, ln) in enumerate(zip(rows, lens)):
+        at = 0
+        for i, n in zip(row, ln):
+            if at // cs == (at + n - 1) // cs:
+                out[b][at // cs] += n
+            at += n
+    return out
+
+
+def test_trades_between_cells_keep_cells_and_straddlers():
+    """_trade_cells (a packing's last resort where its heaviest column is a little over): where
+    it returns rows, every document is there once, every cell holds the same tokens, every
+    straddling document keeps its place (so ranks need the same keys), the loads it returns are
+    the owner-first loads counted token by token, and no rank is above 1.01 of the mean; where
+    it returns None, its input is untouched. Rows: documents in random order, nearly balanced."""
+    import doc_packed.packing as P
+
+    S, c = 4096, 4
+    cs = S // c
+    done = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        lengths = _uniform_rows(S, 3, rng.choice([40, 120, 300]), seed)
+        rows, lens, at = [[]], [[]], 0
+        for i, n in enumerate(lengths):
+            rows[-1].append(i)
+            lens[-1].append(n)
+            at += n
+            if at == S and i + 1 < len(lengths):
+                rows.append([])
+                lens.append([])
+                at = 0
+        docs = P._Docs(lengths, True, -1, 0)
+        loads = P._column_loads(lens, S, c, True, -1, 0)
+        before = ([list(r) for r in rows], [list(x) for x in lens], list(loads))
+        got = P._trade_cells(rows, lens, loads, docs, S, c)
+        assert (rows, lens, loads) == before
+        if got is None:
+            continue
+        new_rows, new_lens, new_loads = got
+        order = P.PackOrder(new_rows, new_lens, 0)
+        _check_order(order, lengths, S)
+        assert _straddlers(new_rows, new_lens, cs) == _straddlers(rows, lens, cs)
+        assert _cell_tokens(new_rows, new_lens, cs, c) == _cell_tokens(rows, lens, cs, c)
+        assert new_loads == _owner_first(order, S, c)
+        assert max(new_loads) * c <= 1.01 * sum(new_loads)
+        done += max(loads) * c > 1.01 * sum(loads)  # it had something to do
+    assert done >= 40, f"only {done} of 60 inputs were brought within 1% by trades"
 
 
 def test_a_pass_sure_to_leave_a_document_out_stops_early(monkeypatch):
