@@ -255,6 +255,17 @@ def test_backward_calls_that_are_not_a_fixed_program_are_not_replayed(fake, why)
     assert result[0].shape == (64, 4, 8)  # FA4's own result still comes back
 
 
+def test_a_tensor_passed_twice_is_not_recorded():
+    """v = k (the lse gradient's backward passes keys as values): a program recorded so would
+    pass k for v on a later call with the same key and distinct tensors."""
+    bwd, _ = _fake_fa4_bwd()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    q, k, _, out, dout, lse = _bwd_inputs(0)
+    k = k.contiguous()
+    _, steps = fa4_launch.record_steps(bwd, (q, k, k, out, dout, lse), (cu,), _bwd_kwargs(cu))
+    assert steps is None
+
+
 def test_backward_program_keeps_no_tensor_of_the_recorded_call():
     bwd, _ = _fake_fa4_bwd()
     cu = torch.tensor([0, 64], dtype=torch.int32)

@@ -149,12 +149,10 @@ def replay(launch: Launch, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Ten
 
 
 class Steps(NamedTuple):
-    """A recorded FA4 call as a program over slots: slots ``0..n_inputs-1`` are the call's
-    tensors, then one per allocation. ``steps``: ``("new", shape, stride, dtype, zeroed)``,
-    ``("zero", slot)`` or ``("launch", fn, fixed_args, slot_args, view_args)``; ``outputs``: the
-    slots returned."""
+    """A recorded FA4 call as a program over slots: the call's tensors first, then one slot per
+    allocation. ``steps``: ``("new", shape, stride, dtype, zeroed)``, ``("zero", slot)`` or
+    ``("launch", fn, fixed_args, slot_args, view_args)``; ``outputs``: the slots returned."""
 
-    n_inputs: int
     steps: tuple
     outputs: tuple[int, ...]
 
@@ -237,6 +235,8 @@ def _storage(t: Tensor) -> int:
 
 
 def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tuple) -> Steps | None:
+    if any(_same(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1 :]):
+        return None  # one tensor passed twice (v = k): its slot would stand for both next time
     slots: list[Tensor] = list(inputs)  # tensors by slot (kept only while building)
     steps: list = []
     launched = False
@@ -276,7 +276,7 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
         _, func, args, out = event
         name = f"{func._opname}.{func._overloadname}"
         if name in _NEW or name in _NEW_ZEROED:
-            if not isinstance(out, Tensor) or out.storage_offset() != 0:
+            if not isinstance(out, Tensor) or out.storage_offset() != 0 or out.device != inputs[0].device:
                 return None
             steps.append(("new", tuple(out.shape), out.stride(), out.dtype, name in _NEW_ZEROED))
             slots.append(out)
@@ -295,7 +295,7 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
         if where is None or len(where) != 1 or where[0] < len(inputs):
             return None
         out_slots.append(where[0])
-    return Steps(len(inputs), tuple(steps), tuple(out_slots))
+    return Steps(tuple(steps), tuple(out_slots))
 
 
 def replay_steps(steps: Steps, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
