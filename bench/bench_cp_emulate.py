@@ -12,6 +12,10 @@ one-GPU time / (c x slowest rank).
 the real rows, and their outputs and gradients are compared with the one-GPU op (bf16;
 relative error <= 1e-2 for out, <= 2e-2 for gradients, as tests/test_gpu.py).
 
+``--autograd-threads off`` runs every backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``), to see what the autograd engine's device
+thread costs a host-bound rank.
+
 ``--impl DIR`` imports ``doc_packed`` from ``DIR`` (e.g. an older checkout, for a before/after).
 
 ``--back-to-back N`` times N calls in a row per measurement (the host running ahead, as across
@@ -63,6 +67,11 @@ def _args():
         help="time N calls launched back to back between two events, as the layers of a step run "
         "(the host runs ahead), instead of one call between events (the default: the host's "
         "lead-in to every call is charged to it); for the anchor and every rank alike",
+    )
+    p.add_argument(
+        "--autograd-threads", choices=["on", "off"], default="on",
+        help="off: torch.autograd.set_multithreading_enabled(False), so backwards run on the calling "
+        "thread instead of the autograd engine's device thread (anchor and ranks alike)",
     )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
@@ -366,6 +375,8 @@ def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
 
 def main():
     Hq, Hkv = ARGS.heads
+    if ARGS.autograd_threads == "off":
+        torch.autograd.set_multithreading_enabled(False)
     rows = []
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} doc_packed from {dp.__file__}")
     print("backends:", {k: v for k, v in kernels.reasons(torch.empty(1, 1, 128, device='cuda', dtype=torch.bfloat16)).items()})
