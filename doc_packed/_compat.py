@@ -26,6 +26,7 @@ __all__ = [
     "compile_fx",
     "create_fw_bw_graph",
     "default_store",
+    "dispatch_mode_class",
     "flex_attention_backward_hop",
     "flex_attention_hop",
     "is_functorch_wrapped",
@@ -163,6 +164,13 @@ def profiler_enabled() -> bool:
 @functools.cache
 def _profiler_enabled() -> Any:
     return private("torch.autograd", "_profiler_enabled")
+
+
+@functools.cache
+def dispatch_mode_class() -> Any:
+    """``TorchDispatchMode``, the base of a mode that sees every tensor op of a block (FA4's
+    backward is recorded under one, :mod:`doc_packed.kernels.fa4_launch`)."""
+    return private("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def op_argument_names(op: torch._ops.OpOverload) -> set[str]:

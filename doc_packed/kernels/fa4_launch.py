@@ -28,6 +28,7 @@ of unknown origin, or an argument object holding tensors, and the call is never 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -35,7 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _compat
 
 __all__ = ["Launch", "Steps", "enabled", "key", "record", "record_steps", "replay", "replay_steps", "steps_key"]
 
@@ -169,24 +171,28 @@ def steps_key(tensors: tuple[Tensor, ...], scale: float, softcap: float) -> tupl
     return tuple(parts)
 
 
-_NEW = {"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default"}
-_NEW_ZEROED = {"zeros.default", "zeros_like.default", "new_zeros.default"}
+_NEW = {"aten::empty.memory_format", "aten::empty_strided", "aten::empty_like", "aten::new_empty"}
+_NEW_ZEROED = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
 
 
-class _Watch(TorchDispatchMode):
-    """Every tensor op of the watched call outside its launches (``paused``), in order with the
-    launches (``events``)."""
+@functools.cache
+def _watch_class() -> type:
+    """A dispatch mode that lists every tensor op of the watched call outside its launches
+    (``paused``), in order with the launches (``events``); built on first use."""
 
-    def __init__(self, events: list):
-        super().__init__()
-        self.events = events
-        self.paused = False
+    class _Watch(_compat.dispatch_mode_class()):  # type: ignore[misc]
+        def __init__(self, events: list):
+            super().__init__()
+            self.events = events
+            self.paused = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.paused:
-            self.events.append(("op", func, args, out))
-        return out
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not self.paused:
+                self.events.append(("op", func, args, out))
+            return out
+
+    return _Watch
 
 
 def record_steps(fn: Callable[..., Any], inputs: tuple[Tensor, ...], offsets: tuple, kwargs: dict):
@@ -196,7 +202,7 @@ def record_steps(fn: Callable[..., Any], inputs: tuple[Tensor, ...], offsets: tu
     if cache is None:
         return fn(*inputs, **kwargs), None
     events: list = []
-    watch = _Watch(events)
+    watch = _watch_class()(events)
 
     def spy(original, cache, compile_key):
         kernel = original(cache, compile_key)
@@ -274,13 +280,13 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
             launched = True
             continue
         _, func, args, out = event
-        name = f"{func._opname}.{func._overloadname}"
+        name = func.name()
         if name in _NEW or name in _NEW_ZEROED:
             if not isinstance(out, Tensor) or out.storage_offset() != 0 or out.device != inputs[0].device:
                 return None
             steps.append(("new", tuple(out.shape), out.stride(), out.dtype, name in _NEW_ZEROED))
             slots.append(out)
-        elif name == "zero_.default" or (name == "fill_.Scalar" and args[1] == 0):
+        elif name == "aten::zero_" or (name == "aten::fill_.Scalar" and args[1] == 0):
             where = slot_of(args[0])
             if where is None or len(where) != 1 or where[0] < len(inputs):
                 return None  # zeroing part of a buffer, or an input
