@@ -590,18 +590,20 @@ class _Packer:
         L = np.asarray(self.L, dtype=np.int64)
         net = np.asarray(self.work, dtype=np.int64) - rho * L
         off = np.arange(-2, 2)
+        rows = np.arange(self.R)
+        cell, tg = self.cell, self.tg
         for _ in range(8 * self.c):
-            over = [proj[r] - self.tg[r] for r in range(self.c)]
-            h = max(range(self.c), key=lambda r: (over[r], -r))
-            lo = min(range(self.c), key=lambda r: (over[r], r))
+            over = [p - t for p, t in zip(proj, tg)]
+            h = over.index(max(over))  # the first heaviest, the first lightest
+            lo = over.index(min(over))
             gap = over[h] - over[lo]
             if gap <= 1e-3 * self.target:
                 return
             want = gap / 2
-            mine = np.array([i for b in range(self.R) for i in self.cell[b][h]], dtype=np.int64)
-            mrow = np.array([b for b in range(self.R) for _ in self.cell[b][h]], dtype=np.int64)
-            their = np.array([j for b in range(self.R) for j in self.cell[b][lo]], dtype=np.int64)
-            trow = np.array([b for b in range(self.R) for _ in self.cell[b][lo]], dtype=np.int64)
+            mine = np.array([i for x in cell for i in x[h]], dtype=np.int64)  # (row, cell order)
+            mrow = np.repeat(rows, [len(x[h]) for x in cell])
+            their = np.array([j for x in cell for j in x[lo]], dtype=np.int64)
+            trow = np.repeat(rows, [len(x[lo]) for x in cell])
             if not mine.size:
                 return
             srt = np.lexsort((their, net[their]))
@@ -616,7 +618,7 @@ class _Packer:
             if their.size:
                 j = np.searchsorted(keys, nm - want, side="left")[:, None] + off
                 valid = (j >= 0) & (j < their.size)
-                jc = np.clip(j, 0, their.size - 1)
+                jc = np.minimum(np.maximum(j, 0), their.size - 1)
                 moved = nm[:, None] - keys[jc]
                 d = L[their[jc]] - L[mine][:, None]
                 ok = valid & (moved > 0) & (moved < gap)
@@ -1035,7 +1037,16 @@ def _two_shards(docs: _Docs, seq_len: int):
 
 
 def _best_pass(
-    lengths: list[int], seq_len: int, c: int, causal: bool, left: int, right: int, R: int, bail: bool = False
+    lengths: list[int],
+    seq_len: int,
+    c: int,
+    causal: bool,
+    left: int,
+    right: int,
+    R: int,
+    bail: bool = False,
+    *,
+    one_remedy: bool = False,
 ):
     """The better of up to ``_PASSES`` packings (fewest documents left out, then balance), and
     its owner-first column loads. Where the first leaves documents out or moves queries (and
@@ -1048,7 +1059,15 @@ def _best_pass(
     on the same terms. A result that still moves queries gets :func:`_trade_cells`, kept
     where they bring it within the planner's tolerance. With ``bail`` (the caller has no use for a packing
     that leaves documents out), a pass sure to leave one out stops there: that one is returned
-    as the only one left out, with no rows."""
+    as the only one left out, with no rows. With ``one_remedy`` (:func:`pack_order`'s batch),
+    the shifted pass is not tried after a claimed one: at most three packings (first, claimed,
+    evened) before trades. On 600 draws (5 distributions, 8 x 128k and 1 x 1M, CP 4-64, seeds
+    0-9) and the bench grid, a shifted pass after a claimed one on the batch never brought it
+    within the planner's tolerance with nothing left out (13 tries; one draw's rows changed, 1.0486
+    -> 1.0499, fewer queries moved), and it cost a whole pass (lognormal-512, 8 x 128k, CP 32,
+    seed 9: 64 -> 45 ms, the same rows). Rows packed alone after a batch left documents out
+    and streaming batches keep it: there it did help (1 of 10 single rows; 7 of bench_packing's
+    16 streaming settings change without it, some for the worse)."""
     docs = _Docs(lengths, causal, left, right)
     if _exact_applies(c, R, causal, left, len(docs.live), docs.tokens, seq_len):
         got = _two_shards(docs, seq_len)
@@ -1061,7 +1080,8 @@ def _best_pass(
     except _LeftOut as e:
         return [], [], [e.doc], None
     claimed = None
-    if (first[0][0] or first[0][1] > 1 + _PLANNER_TOLERANCE) and first[0][1] <= 1 + _CLAIM_BELOW:
+    tried_claim = (first[0][0] or first[0][1] > 1 + _PLANNER_TOLERANCE) and first[0][1] <= 1 + _CLAIM_BELOW
+    if tried_claim:
         # where the first left documents out, room is contested: heavy pieces are evened at once
         even = _even_keys(R, seq_len, c)
         try:
@@ -1082,7 +1102,7 @@ def _best_pass(
         else:
             claimed = None
     shift = None
-    for _ in range(_PASSES - 1):
+    for _ in range(0 if one_remedy and tried_claim else _PASSES - 1):
         score, loads = best[0], best[2]
         if not 1 + _TOLERANCE < score[1] <= 1 + _RETRY_BELOW:
             break  # balanced, or a document alone outweighs a column: another pass cannot help
@@ -1183,7 +1203,9 @@ def _cp_order(lengths: list[int], seq_len: int, c: int, causal: bool, left: int,
         # placing them one by one costs more than it gains; first-fit rows (the planner balances)
         fit = _first_fit(lengths, seq_len)
         return fit, [[lengths[i] for i in r] for r in fit], []
-    rows, lens, spill, loads = _best_pass(lengths, seq_len, c, causal, left, right, R, n_rows is None)
+    rows, lens, spill, loads = _best_pass(
+        lengths, seq_len, c, causal, left, right, R, n_rows is None, one_remedy=n_rows is None
+    )
     fit = _first_fit(lengths, seq_len) if n_rows is None else []
 
     if spill and n_rows is None:
