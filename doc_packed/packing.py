@@ -592,38 +592,41 @@ class _Packer:
         off = np.arange(-2, 2)
         rows = np.arange(self.R)
         cell, tg = self.cell, self.tg
+        thr = 1e-3 * self.target
         for _ in range(8 * self.c):
             over = [p - t for p, t in zip(proj, tg)]
-            h = over.index(max(over))  # the first heaviest, the first lightest
-            lo = over.index(min(over))
-            gap = over[h] - over[lo]
-            if gap <= 1e-3 * self.target:
+            top, bottom = max(over), min(over)
+            h, lo = over.index(top), over.index(bottom)  # the first heaviest, the first lightest
+            gap = top - bottom
+            if gap <= thr:
                 return
             want = gap / 2
-            mine = np.array([i for x in cell for i in x[h]], dtype=np.int64)  # (row, cell order)
-            mrow = np.repeat(rows, [len(x[h]) for x in cell])
-            their = np.array([j for x in cell for j in x[lo]], dtype=np.int64)
-            trow = np.repeat(rows, [len(x[lo]) for x in cell])
+            ch, cl = [x[h] for x in cell], [x[lo] for x in cell]
+            mine = np.array([i for x in ch for i in x], dtype=np.int64)  # (row, cell order)
             if not mine.size:
                 return
-            srt = np.lexsort((their, net[their]))
-            their, trow = their[srt], trow[srt]
-            keys = net[their]
-            nm = net[mine]
+            mrow = np.repeat(rows, [len(x) for x in ch])
+            nm, lm, room_lo = net[mine], L[mine], room[:, lo]
+            b2 = int(room_lo.argmax())  # the lightest column's cell with the most room
             # candidates per document of the heavy column: [alone, 4 neighbours in net work]
-            err = np.full((mine.size, 5), np.inf)
-            b2 = int(np.argmax(room[:, lo]))  # the lightest column's cell with the most room
-            ok = (nm > 0) & (nm < gap) & (room[b2, lo] >= L[mine])
+            err = np.empty((mine.size, 5))
+            ok = (nm > 0) & (nm < gap) & (room_lo[b2] >= lm)
             err[:, 0] = np.where(ok, np.abs(nm - want), np.inf)
+            their = np.array([j for x in cl for j in x], dtype=np.int64)
             if their.size:
+                trow = np.repeat(rows, [len(x) for x in cl])
+                kt = net[their]
+                srt = np.lexsort((their, kt))  # by net work, then document
+                their, trow, keys = their[srt], trow[srt], kt[srt]
                 j = np.searchsorted(keys, nm - want, side="left")[:, None] + off
-                valid = (j >= 0) & (j < their.size)
                 jc = np.minimum(np.maximum(j, 0), their.size - 1)
                 moved = nm[:, None] - keys[jc]
-                d = L[their[jc]] - L[mine][:, None]
-                ok = valid & (moved > 0) & (moved < gap)
-                ok &= (d <= room[mrow, h][:, None]) & (-d <= room[trow[jc], lo])
+                d = L[their][jc] - lm[:, None]
+                ok = (j == jc) & (moved > 0) & (moved < gap)
+                ok &= (d <= room[:, h][mrow][:, None]) & (-d <= room_lo[trow][jc])
                 err[:, 1:] = np.where(ok, np.abs(moved - want), np.inf)
+            else:
+                err[:, 1:] = np.inf
             flat = int(np.argmin(err))
             if not err.flat[flat] < gap:
                 return
