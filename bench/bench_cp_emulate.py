@@ -73,6 +73,11 @@ def _args():
         help="off: torch.autograd.set_multithreading_enabled(False), so backwards run on the calling "
         "thread instead of the autograd engine's device thread (anchor and ranks alike)",
     )
+    p.add_argument(
+        "--tolerance", type=float, default=None,
+        help="the planner's allowed work imbalance (doc_packed.cp.attention.TOLERANCE) for the run; "
+        "above it queries move",
+    )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -292,7 +297,9 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     lengths = _lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     one = _timed(_fwd_bwd(q, k, v, dout, cu, S, None), iters)
-    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv)
+    from doc_packed.cp import attention as cp_attention
+
+    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_attention.TOLERANCE)
     ranks = []
     for r in range(c):
         emu = _CopyComm(r, c)
@@ -375,6 +382,10 @@ def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
 
 def main():
     Hq, Hkv = ARGS.heads
+    if ARGS.tolerance is not None:
+        from doc_packed.cp import attention as cp_attention
+
+        cp_attention.TOLERANCE = ARGS.tolerance
     if ARGS.autograd_threads == "off":
         torch.autograd.set_multithreading_enabled(False)
     rows = []
