@@ -302,3 +302,19 @@ def test_backward_records_once_per_spec_and_key_then_skips_fa4s_python(monkeypat
     monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
     fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
     assert calls["python"] == 6
+
+
+def test_a_refused_backward_is_recorded_once_more_then_left_to_fa4(monkeypatch):
+    """The first call for a key may also compile; a refusal then is retried once, a second
+    refusal is final (FA4's full path from then on)."""
+    bwd, calls = _fake_fa4_bwd(compute_op=True)  # never a fixed program
+    monkeypatch.setattr(fa4, "_interface", lambda: (None, bwd))
+    seen = []
+    real = fa4_launch.record_steps
+    monkeypatch.setattr(fa4_launch, "record_steps", lambda *a: seen.append(1) or real(*a))
+    spec = VarlenSpec([0, 64], [0, 64], True, -1, 0, row_len=64)
+    q, k, v, out, dout, lse = _bwd_inputs(0)
+    for _ in range(4):
+        fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+    assert len(seen) == 2 and calls["python"] == 4
+    assert spec.cached(("fa4-steps",), dict) == {fa4_launch.steps_key((q, k, v, out, dout, lse), 0.5, 0.0): None}

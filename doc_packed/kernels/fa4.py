@@ -263,23 +263,28 @@ def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softc
     """FA4's backward on ``(q, k, v, out, dout, lse)``: recorded by its first call per spec and
     key, replayed after (:func:`fa4_launch.replay_steps`), as the forward."""
     key = fa4_launch.steps_key(tensors, scale, softcap) if fa4_launch.enabled() else None
-    programs = None if key is None else spec.cached(("fa4-steps",), dict)  # key -> Steps, or None
+    programs = None if key is None else spec.cached(("fa4-steps",), dict)  # key -> Steps, _RETRY or None
     steps = None if programs is None else programs.get(key, _UNSEEN)
-    if steps is not None and steps is not _UNSEEN:
+    if isinstance(steps, fa4_launch.Steps):
         dq, dk, dv = fa4_launch.replay_steps(steps, tensors)
         return dq, dk, dv
     _, bwd = _interface()
     kwargs = _args(spec, tensors[0], scale)
     if softcap:
         kwargs = {**kwargs, "softcap": softcap}
-    if steps is _UNSEEN:
+    if steps is _UNSEEN or steps is _RETRY:
         assert programs is not None
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
-        result, steps = fa4_launch.record_steps(bwd, tensors, offsets, kwargs)
-        if len(programs) < _MAX_LAUNCHES:
-            programs[key] = steps
+        result, new = fa4_launch.record_steps(bwd, tensors, offsets, kwargs)
+        if len(programs) < _MAX_LAUNCHES or key in programs:
+            # a first refusal is recorded once more (the first call may also have compiled,
+            # and a compiler's tensor work is not the program's); a second one is final
+            programs[key] = new if new is not None or steps is _RETRY else _RETRY
         return result[:3]
     return bwd(*tensors, **kwargs)[:3]
+
+
+_RETRY = object()  # refused once: record again on the next call
 
 
 def _gqa_backward_needs_equal_head_dims(q: Tensor) -> bool:
