@@ -919,7 +919,8 @@ def _trade_cells(
 
     for k in range(len(keys)):
         fill(k)
-    rows, lens = [list(r) for r in rows], [list(x) for x in lens]
+    # trades made: (row of x, row of the set, x, its length, the set as (document, length))
+    done: list[tuple[int, int, int, int, list[tuple[int, int]]]] = []
     for _ in range(_TRADES):
         h = int(load.argmax())
         if load[h] <= goal:
@@ -945,9 +946,19 @@ def _trade_cells(
         g = int(gain[ko, kx])
         load[h] -= g
         load[r2] += g
-        # rows: x's place takes the set, the set's first document's place takes x
-        into = {x: [(i, cells[keys[ko]][i]) for i in take]}
-        into.update({i: [] for i in take})
+        done.append((b, b2, x, nx, [(i, cells[keys[ko]][i]) for i in take]))
+        for i in take:
+            cells[keys[kh]][i] = cells[keys[ko]].pop(i)
+        cells[keys[ko]][x] = cells[keys[kh]].pop(x)
+        fill(kh)
+        fill(ko)
+    if load.max() > cap:
+        return None
+    rows, lens = [list(r) for r in rows], [list(x) for x in lens]
+    for b, b2, x, nx, got in done:  # the rows, trade by trade (only where they are kept)
+        # x's place takes the set, the set's first document's place takes x
+        into = {x: got}
+        into.update({i: [] for i, _ in got})
         into[next(i for i in rows[b2] if i in into and i != x)] = [(x, nx)]
         for bb in {b, b2}:
             row, ln = [], []
@@ -956,13 +967,6 @@ def _trade_cells(
                     row.append(m)
                     ln.append(q)
             rows[bb], lens[bb] = row, ln
-        for i in take:
-            cells[keys[kh]][i] = cells[keys[ko]].pop(i)
-        cells[keys[ko]][x] = cells[keys[kh]].pop(x)
-        fill(kh)
-        fill(ko)
-    if load.max() > cap:
-        return None
     return rows, lens, load.tolist()
 
 
