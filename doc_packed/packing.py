@@ -69,6 +69,9 @@ _EVEN_KEYS = 0.002  # keys an even split may add to a heavy document's last rank
 _TRADES = 32  # trades between cells at most (_trade_cells)
 _TRADE_LONGEST = 2048  # longest document a trade gives (the subset sums it takes cost its length)
 _TRADE_GOAL = 0.008  # ... which aim each column this far below the planner's tolerance
+_TRADE_WORK = 1 << 23  # ... and least-work table entries they may compute, the first tables included
+# (a work count, not a time: the one kept trade in ~1,900 packings measured took 0.8M; lognormal-512
+# in one 1M row over 16 ranks, seed 1, took 33M for 32 trades, none kept, 75 of its 92 ms)
 _PAD_PIECE = 64  # longest padding segment with cp_size (pairs wasted on padding: <= 64 per token)
 _SWAP = 48  # shortest documents of a row that may be traded to fill it exactly
 _SLACK = 100  # 1/100 of every cell is left free while assigning: room for swaps, closed by the reserve
@@ -886,8 +889,10 @@ def _trade_cells(
     cells: a whole document of the heaviest column for documents of the same total length and
     less work from one cell of a column with room (the least-work such set: subset sum), the
     trade that leaves the larger of the two columns lowest first. Every cell keeps its length
-    and every straddling document its place, so ranks need the same keys. Returns the rows,
-    lengths and loads, or None where some column stays above the tolerance."""
+    and every straddling document its place, so ranks need the same keys. At most ``_TRADES``
+    trades, and none begun once the least-work tables have cost ``_TRADE_WORK`` entries (a
+    deterministic bound). Returns the rows, lengths and loads, or None where some column stays
+    above the tolerance."""
     cs = -(-seq_len // c)
     load = np.asarray(loads, dtype=np.int64)
     mean = float(load.sum()) / c
@@ -909,21 +914,24 @@ def _trade_cells(
     big = np.int64(1) << 60
     least = np.full((len(keys), X + 1), big, dtype=np.int64)  # per cell: least work of t tokens
 
-    def fill(k: int) -> None:
+    def fill(k: int) -> int:
+        """Cell ``k``'s table; returns the entries computed (its documents up to X, times X + 1)."""
         t = least[k]
         t[:] = big
         t[0] = 0
+        done = 0
         for i, n in cells[keys[k]].items():
             if n <= X:
                 t[n:] = np.minimum(t[n:], t[: X + 1 - n] + work[i])
+                done += 1
+        return done * (X + 1)
 
-    for k in range(len(keys)):
-        fill(k)
+    spent = sum(fill(k) for k in range(len(keys)))
     # trades made: (row of x, row of the set, x, its length, the set as (document, length))
     done: list[tuple[int, int, int, int, list[tuple[int, int]]]] = []
     for _ in range(_TRADES):
         h = int(load.argmax())
-        if load[h] <= goal:
+        if load[h] <= goal or spent > _TRADE_WORK:
             break
         xs = [(i, n, k) for k, key in enumerate(keys) if key[1] == h for i, n in cells[key].items() if 1 < n <= X]
         if not xs:
@@ -950,8 +958,7 @@ def _trade_cells(
         for i in take:
             cells[keys[kh]][i] = cells[keys[ko]].pop(i)
         cells[keys[ko]][x] = cells[keys[kh]].pop(x)
-        fill(kh)
-        fill(ko)
+        spent += fill(kh) + fill(ko)
     if load.max() > cap:
         return None
     rows, lens = [list(r) for r in rows], [list(x) for x in lens]

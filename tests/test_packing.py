@@ -513,6 +513,40 @@ def test_pack_order_tries_one_remedy_after_the_first_packing(monkeypatch):
     assert order == P._finish(*full[:2], S, c)
 
 
+def test_trades_stop_at_a_work_count(monkeypatch):
+    """lognormal-512 in one 1M row over 16 ranks, drawn with seed 1: the packing moves queries
+    (imbalance 1.05, three columns over 1.01) and trades between cells cannot bring it within
+    1%. Unbounded, all ``_TRADES`` trades run, each re-filling two cells' least-work tables of
+    ~128 documents, and none is kept; with the work count (``_TRADE_WORK`` table entries) they
+    stop after a few, with the same outcome and the same rows out of pack_order."""
+    import doc_packed.packing as P
+    from bench.cp_model import make_layout
+
+    S, c = 1 << 20, 16
+    lengths = [e - s for row in make_layout("lognormal-512", S, 1, 1).rows for s, e in row]
+    docs = P._Docs(lengths, True, -1, 0)
+    _, (rows, lens, _), loads, _ = P._pass(docs, lengths, S, c, True, -1, 0, 1, True, None, False)
+    assert max(loads) * c > 1.01 * sum(loads)
+    orig = P._least_set
+    trades = [0]
+
+    def spy(*args):
+        trades[0] += 1
+        return orig(*args)
+
+    monkeypatch.setattr(P, "_least_set", spy)
+    bounded = P._trade_cells(rows, lens, loads, docs, S, c)
+    n_bounded, trades[0] = trades[0], 0
+    order = pack_order(lengths, S, cp_size=c)
+    monkeypatch.setattr(P, "_TRADE_WORK", 1 << 62)
+    trades[0] = 0
+    unbounded = P._trade_cells(rows, lens, loads, docs, S, c)
+    assert bounded is None and unbounded is None
+    assert trades[0] == P._TRADES
+    assert 0 < n_bounded < P._TRADES
+    assert pack_order(lengths, S, cp_size=c) == order
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("lookahead", [1, 3])
 @pytest.mark.parametrize("rows", [1, 2])
