@@ -91,6 +91,7 @@ import torch  # noqa: E402
 
 import doc_packed as dp  # noqa: E402
 from doc_packed import kernels  # noqa: E402
+from doc_packed.cp import attention as cp_attention  # noqa: E402
 from doc_packed.cp import comm  # noqa: E402
 
 GROUP = "emulated"
@@ -297,8 +298,6 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     lengths = _lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     one = _timed(_fwd_bwd(q, k, v, dout, cu, S, None), iters)
-    from doc_packed.cp import attention as cp_attention
-
     plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_attention.TOLERANCE)
     ranks = []
     for r in range(c):
@@ -383,8 +382,6 @@ def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
 def main():
     Hq, Hkv = ARGS.heads
     if ARGS.tolerance is not None:
-        from doc_packed.cp import attention as cp_attention
-
         cp_attention.TOLERANCE = ARGS.tolerance
     if ARGS.autograd_threads == "off":
         torch.autograd.set_multithreading_enabled(False)
