@@ -16,6 +16,9 @@ relative error <= 1e-2 for out, <= 2e-2 for gradients, as tests/test_gpu.py).
 (``torch.autograd.set_multithreading_enabled(False)``), to see what the autograd engine's device
 thread costs a host-bound rank.
 
+``--split-all`` profiles every rank, not only the slowest: its kernel split, its top kernels
+(``--top N``) and its planned pairs, so ranks with equal pairs can be compared kernel by kernel.
+
 ``--impl DIR`` imports ``doc_packed`` from ``DIR`` (e.g. an older checkout, for a before/after).
 
 ``--back-to-back N`` times N calls in a row per measurement (the host running ahead, as across
@@ -53,6 +56,7 @@ def _args():
     p.add_argument("--overlap", action="store_true", help="stand-in transfers of started all-to-alls on a side stream")
     p.add_argument("--sync-check", action="store_true", help="run each rank once more under set_sync_debug_mode('error')")
     p.add_argument("--top", type=int, default=0, help="also list the slowest rank's N most expensive kernels")
+    p.add_argument("--split-all", action="store_true", help="profile every rank (not only the slowest): kernel split and top kernels per rank, with the rank's planned pairs")
     p.add_argument(
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
         help="document order of the lognormal rows: as drawn, CP-aware for each --cp (doc_packed.pack_order), or both",
@@ -322,6 +326,9 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         ranks.append({"rank": r, "ms": round(ms, 3), "recv_MB": round(recv / 2**20, 2), "sync_free": sync_free, "_run": run})
+        if ARGS.split_all:
+            ranks[-1]["split"] = _split(run)
+            ranks[-1]["pairs_M"] = round(plan.work[r] / 1e6, 3)
     slow = max(ranks, key=lambda x: x["ms"])
     _install(_CopyComm(slow["rank"], c))
     split = _split(slow.pop("_run"))
@@ -413,6 +420,14 @@ def main():
                         print("       host syncs:", [x["sync_free"] for x in row["ranks"]])
                     for t in row["slowest_split"].get("top", []):
                         print("      ", t)
+                    for x in row["ranks"] if ARGS.split_all else ():
+                        sp = x["split"]
+                        print(
+                            f"       rank {x['rank']}: {x['ms']:.3f} ms, {x['pairs_M']:.1f}M pairs, attention "
+                            f"{sp['attention_ms']:.3f} copy {sp['copy_ms']:.3f} other {sp['other_ms']:.3f} ms"
+                        )
+                        for t in sp.get("top", []):
+                            print("          ", t)
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
