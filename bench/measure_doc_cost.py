@@ -24,28 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from math import ceil
 
 import torch
 
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
-
-
-def _timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+from measure_rates import timed_ms  # bench/ is on the path when a script here runs
 
 
 def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int, backend: str, iters: int):
@@ -59,8 +44,6 @@ def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int
     v = torch.randn(segs * nk, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
     do = torch.randn_like(q)
     scale = D**-0.5
-    out, lse = kernels.forward(spec, q, k, v, scale, backend)
-
     def fwd():
         kernels.forward(spec, q, k, v, scale, backend)
 
@@ -71,7 +54,7 @@ def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int
     pairs = segs * (nq * (nq + 1) // 2 if causal and nq == nk else nq * nk)
     return dict(
         nq=nq, nk=nk, causal=causal, segments=segs, rows=segs * nq, pairs=pairs,
-        fwd_ms=round(_timed(fwd, iters), 4), fb_ms=round(_timed(fb, iters), 4),
+        fwd_ms=round(timed_ms(fwd, iters=iters), 4), fb_ms=round(timed_ms(fb, iters=iters), 4),
     )
 
 
