@@ -267,7 +267,9 @@ def _append_run(runs: list[tuple[str, int, int, int]], run: tuple[str, int, int,
         runs.append(run)
 
 
-def _joined_runs(plan: ContextParallelPlan, rank: int, cs: int):
+def _joined_runs(
+    plan: ContextParallelPlan, rank: int, cs: int
+) -> tuple[tuple[tuple[int, int, int], ...], set[tuple[int, int]]]:
     """The query runs that read all their keys from the receive buffer, and the own key rows
     this rank therefore sends to itself: ``(own key ranges (batch, s, e), {(segment, first
     query)})``.
@@ -293,7 +295,7 @@ def _joined_runs(plan: ContextParallelPlan, rank: int, cs: int):
             if o != rank or e - s <= limit:
                 joined.add((i, s))
                 own.setdefault(seg.batch, []).extend(mine)
-    ranges = []
+    ranges: list[tuple[int, int, int]] = []
     for b in sorted(own):
         for s, e in sorted(own[b]):
             if ranges and ranges[-1][0] == b and s <= ranges[-1][2]:
@@ -381,7 +383,9 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_runs = []
         for o, s, e in _parts(b, seg.start, seg.end, cs, S):
             q_runs.append((LOCAL, local(b, s), s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
-        k_split, k_joined = [], []  # (buffer, first row, s, e), merged when contiguous
+        # (buffer, first row, s, e), merged when contiguous
+        k_split: list[tuple[str, int, int, int]] = []
+        k_joined: list[tuple[str, int, int, int]] = []
         for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
             _append_run(k_split, (LOCAL, local(b, s), s, e) if o == rank else (RECV, recv_row(b, s, e), s, e))
             if i in joined_segments:
