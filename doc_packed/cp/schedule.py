@@ -278,10 +278,11 @@ def _joined_runs(
     keys in stage A, the received ones in stage B, merged by lse. Joined, it is one causal piece
     on ``[received | own]`` keys, contiguous in the receive buffer (which is in position order,
     this rank's block between the earlier and the later ranks' for one row), with no merge.
-    Joined: every moved-in run (stage B anyway), and an own run of at most
-    ``_JOIN_ROWS`` of this rank's rows (a longer one keeps its own-key block in stage A, which
-    overlaps the exchange: its merge is small beside that block's compute)."""
-    S = plan.seq_len
+    Joined, among the runs that see keys both here and on peers: every moved-in run (stage B
+    anyway), and an own run of at most ``_JOIN_ROWS`` of this rank's rows (a longer one keeps
+    its own-key block in stage A, which overlaps the exchange: its merge is small beside that
+    block's compute)."""
+    S, (left, right) = plan.seq_len, plan.window_size
     start, end = plan.owners[rank]
     limit = (end - start) * plan.batch * _JOIN_ROWS
     own: dict[int, list[tuple[int, int]]] = {}
@@ -292,7 +293,13 @@ def _joined_runs(
         if not mine or len(mine) == len(keys):
             continue  # keys all here or all on peers: one piece already
         for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
-            if o != rank or e - s <= limit:
+            # where the run's visible keys lie (a bidirectional prefix: all of them, to be safe)
+            seen = {
+                ko == rank
+                for ko, ks, ke in keys
+                if seg.prefix_end or _visible(s, e - s, ks, ke - ks, plan.causal, left, right) is not None
+            }
+            if len(seen) == 2 and (o != rank or e - s <= limit):
                 joined.add((i, s))
                 own.setdefault(seg.batch, []).extend(mine)
     ranges: list[tuple[int, int, int]] = []
