@@ -37,9 +37,7 @@ def independent_check(cu, S, c, causal, window, plan):
         assert plan.kv_recv_tokens[r] == len(recv)  # each needed key once, nothing else
         assert plan.q_moved_tokens[r] == moved
         ex = build_schedule(plan, r, torch.device("cpu"))
-        # from peers: each needed key once; to itself: the own keys of joined runs, as many as it sends
-        assert sum(ex.kv_recv_splits) - ex.kv_recv_splits[r] == len(recv)
-        assert ex.kv_recv_splits[r] == ex.kv_send_splits[r] <= plan.batch * (owned[r][1] - owned[r][0])
+        assert sum(ex.kv_recv_splits) == len(recv)
         assert sum(ex.q_recv_splits) == moved
     assert bool((covered == 1).all()), "every query computed exactly once"
 

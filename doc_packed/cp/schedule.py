@@ -6,17 +6,14 @@ layer. The per-layer path (:mod:`.attention`) runs it top to bottom:
 1. **Exchange** (asynchronous): K/V rows other ranks' queries need, and the queries the plan
    moves. Received rows land in two buffers, ``kv`` and ``q``, grouped by source rank and in
    position order inside each source, so a document's remote keys are one contiguous run (the
-   part from an earlier rank ends that rank's block, the part from a later rank starts its
-   block). This rank's own block holds the own keys of its *joined* runs (:func:`_joined_runs`:
-   every moved-in run, and short own runs that also need remote keys), sent to itself, so such
-   a run reads ``[earlier | own | later]`` keys as one run: one causal piece, no merge.
+   part from an earlier rank ends that rank's block, the part from a later rank starts its block,
+   and this rank's own block is empty).
 2. **Stage A**, while the exchange is in flight: this rank's own queries against its own keys,
-   on the local tensors in place (joined runs excepted).
+   on the local tensors in place.
 3. **Stage B**, once the data has landed: queries against received keys, and moved-in queries
    against local keys; each call reads its buffers in place.
-4. **Merge** by log-sum-exp, only on rows that two calls computed (a long own run's own-key
-   block in stage A and its received keys in stage B); moved-in rows go back to their owners
-   (one message: output and lse).
+4. **Merge** by log-sum-exp, only on the rows a stage B touches; moved-in rows go back to their
+   owners (one message: output and lse).
 
 Every kernel call is one varlen problem over a slice of a query buffer and a slice of a key
 buffer. Its segments are *pieces*: a run of queries and a run of keys of one document, each
@@ -38,7 +35,6 @@ from .plan import ContextParallelPlan, chunk_len
 __all__ = ["Call", "RankSchedule", "build_schedule"]
 
 LOCAL, RECV = "local", "recv"  # the two buffers a query or key row can sit in
-_JOIN_ROWS = 0.25  # own query runs up to this share of the rank's rows read joined keys (_joined_runs)
 
 
 @dataclass(frozen=True)
@@ -257,61 +253,6 @@ def _reduce_runs(runs: list[tuple[int, int]]):
     return tuple(sums), tuple(back), shared, slots, tuple(slot_runs)
 
 
-def _append_run(runs: list[tuple[str, int, int, int]], run: tuple[str, int, int, int]) -> None:
-    """Append a key run ``(buffer, first row, s, e)``, extending the last one when it continues it
-    in both position and buffer row."""
-    buf, row, s, e = run
-    if runs and runs[-1][0] == buf and runs[-1][3] == s and runs[-1][1] + runs[-1][3] - runs[-1][2] == row:
-        runs[-1] = (buf, runs[-1][1], runs[-1][2], e)
-    else:
-        runs.append(run)
-
-
-def _joined_runs(
-    plan: ContextParallelPlan, rank: int, cs: int
-) -> tuple[tuple[tuple[int, int, int], ...], set[tuple[int, int]]]:
-    """The query runs that read all their keys from the receive buffer, and the own key rows
-    this rank therefore sends to itself: ``(own key ranges (batch, s, e), {(segment, first
-    query)})``.
-
-    A run whose keys lie partly here and partly on peers would otherwise be two pieces: its own
-    keys in stage A, the received ones in stage B, merged by lse. Joined, it is one causal piece
-    on ``[received | own]`` keys, contiguous in the receive buffer (which is in position order,
-    this rank's block between the earlier and the later ranks' for one row), with no merge.
-    Joined, among the runs that see keys both here and on peers: every moved-in run (stage B
-    anyway), and an own run of at most ``_JOIN_ROWS`` of this rank's rows (a longer one keeps
-    its own-key block in stage A, which overlaps the exchange: its merge is small beside that
-    block's compute)."""
-    S, (left, right) = plan.seq_len, plan.window_size
-    start, end = plan.owners[rank]
-    limit = (end - start) * plan.batch * _JOIN_ROWS
-    own: dict[int, list[tuple[int, int]]] = {}
-    joined: set[tuple[int, int]] = set()
-    for i, seg in enumerate(plan.segments[rank]):
-        keys = list(_parts(seg.batch, seg.key_start, seg.key_end, cs, S))
-        mine = [(s, e) for o, s, e in keys if o == rank]
-        if not mine or len(mine) == len(keys):
-            continue  # keys all here or all on peers: one piece already
-        for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
-            # where the run's visible keys lie (a bidirectional prefix: all of them, to be safe)
-            seen = {
-                ko == rank
-                for ko, ks, ke in keys
-                if seg.prefix_end or _visible(s, e - s, ks, ke - ks, plan.causal, left, right) is not None
-            }
-            if len(seen) == 2 and (o != rank or e - s <= limit):
-                joined.add((i, s))
-                own.setdefault(seg.batch, []).extend(mine)
-    ranges: list[tuple[int, int, int]] = []
-    for b in sorted(own):
-        for s, e in sorted(own[b]):
-            if ranges and ranges[-1][0] == b and s <= ranges[-1][2]:
-                ranges[-1] = (b, ranges[-1][1], max(ranges[-1][2], e))
-            else:
-                ranges.append((b, s, e))
-    return tuple(ranges), joined
-
-
 def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
     c, S = plan.cp_size, plan.seq_len
     cs = chunk_len(S, c)
@@ -325,18 +266,17 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return b * L + s - my_start
 
     # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
-    own_keys, joined = _joined_runs(plan, rank, cs)
     kv_send: list[int] = []
     kv_send_splits = [0] * c
     kv_runs: list[tuple[int, int]] = []  # (first local row, rows) in send order
     for t in range(c):
-        ranges = plan.kv_ranges[t] if t != rank else own_keys  # to itself: the joined runs' own keys
-        for b, s0, e0 in ranges:
-            for o, s, e in _parts(b, s0, e0, cs, S):
-                if o == rank:
-                    kv_send.extend(range(local(b, s), local(b, e)))
-                    kv_runs.append((local(b, s), e - s))
-                    kv_send_splits[t] += e - s
+        if t != rank:
+            for b, s0, e0 in plan.kv_ranges[t]:
+                for o, s, e in _parts(b, s0, e0, cs, S):
+                    if o == rank:
+                        kv_send.extend(range(local(b, s), local(b, e)))
+                        kv_runs.append((local(b, s), e - s))
+                        kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
     recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for b, s0, e0 in plan.kv_ranges[rank]:
@@ -344,8 +284,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
             if o != rank:
                 recv_parts[o].append((b, s, e))
                 kv_recv_splits[o] += e - s
-    recv_parts[rank] = list(own_keys)
-    kv_recv_splits[rank] = sum(e - s for _, s, e in own_keys)
     remote: dict[int, list[tuple[int, int, int]]] = {}  # row -> sorted (s, e, first recv row)
     pos = 0
     for o in range(c):
@@ -383,23 +321,26 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     moved_in = {(i, s): q_base[o] + off for i, o, s, e, off in q_parts}
 
     # ---- pieces: (query part, key part) of each segment, each contiguous in its buffer
-    joined_segments = {i for i, _ in joined}
     pieces: list[_Piece] = []
     for i, seg in enumerate(plan.segments[rank]):
         b = seg.batch
         q_runs = []
         for o, s, e in _parts(b, seg.start, seg.end, cs, S):
             q_runs.append((LOCAL, local(b, s), s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
-        # (buffer, first row, s, e), merged when contiguous
-        k_split: list[tuple[str, int, int, int]] = []
-        k_joined: list[tuple[str, int, int, int]] = []
+        k_runs: list[tuple[str, int, int, int]] = []  # (buffer, first row, s, e), merged when contiguous
         for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
-            _append_run(k_split, (LOCAL, local(b, s), s, e) if o == rank else (RECV, recv_row(b, s, e), s, e))
-            if i in joined_segments:
-                _append_run(k_joined, (RECV, recv_row(b, s, e), s, e))
+            buf, row = (LOCAL, local(b, s)) if o == rank else (RECV, recv_row(b, s, e))
+            if (
+                k_runs
+                and k_runs[-1][0] == buf
+                and k_runs[-1][3] == s
+                and k_runs[-1][1] + k_runs[-1][3] - k_runs[-1][2] == row
+            ):
+                k_runs[-1] = (buf, k_runs[-1][1], k_runs[-1][2], e)
+            else:
+                k_runs.append((buf, row, s, e))
         pe = seg.prefix_end
         for qb, qr, qs, qe in q_runs:
-            k_runs = k_joined if (i, qs) in joined else k_split
             if qs < pe:  # prefix queries: every key of the prefix, nothing after it
                 n = min(qe, pe) - qs
                 for kb, kr, ks, ke in k_runs:
