@@ -29,6 +29,11 @@ the GPU drifts between measurements (one rank measured once with identical kerne
 and times the one-GPU op on the cut row against each chunk alone, the bound on any design in
 which a rank runs its share as its own kernel calls (perfect balance, free communication).
 
+``--filler-ms F`` (with ``--back-to-back``) puts ~F ms of matmuls before every call and subtracts
+them: attention alone, back to back, charges the host's launch time wherever it exceeds the
+rank's GPU time (at 16k tokens per rank it does), which the rest of a layer's GPU work hides in
+a model. Each rank's host ms per call is reported beside its GPU ms.
+
 ``--back-to-back N`` times N calls in a row per measurement (the host running ahead, as across
 the layers of a step) instead of one call between two events, which charges the host's lead-in
 to every call: the fairer figure for host-bound ranks (CP >= 8), applied to the anchor too.
@@ -101,6 +106,12 @@ def _args():
         help="no CP: cut the row into c chunks (documents cut at the chunk boundaries), and time the "
         "one-GPU op on the cut row against each chunk alone: what running a rank's share as its own "
         "calls costs with perfect balance and free communication (sum of chunks / cut row)",
+    )
+    p.add_argument(
+        "--filler-ms", type=float, default=0.0, metavar="F",
+        help="with --back-to-back: precede every call by ~F ms of matmuls (the rest of a layer's GPU work, "
+        "a few host microseconds) and subtract their time: the rank's GPU time when the host is not the "
+        "bottleneck; each rank's host ms per call is reported beside it",
     )
     p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
@@ -269,17 +280,62 @@ def _timed(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _timed_back_to_back(fn, iters: int, n: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
+_FILLER: dict = {}
+HOST_MS: list[float] = []  # host ms per call of the last back-to-back timing (median)
+
+
+def _filler():
+    """GPU work of about ``--filler-ms`` ms that takes the host a few microseconds (a chain of
+    bf16 matmuls, sized once): what the rest of a layer gives the GPU while the host launches
+    the attention call."""
+    if "mm" not in _FILLER:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(a)
+        for _ in range(3):
+            torch.mm(a, a, out=out)
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n)
-    return sorted(times)[len(times) // 2]
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(20):
+            torch.mm(a, a, out=out)
+        t1.record()
+        torch.cuda.synchronize()
+        _FILLER.update(mm=(a, out), count=max(1, round(ARGS.filler_ms / (t0.elapsed_time(t1) / 20))))
+    a, out = _FILLER["mm"]
+    for _ in range(_FILLER["count"]):
+        torch.mm(a, a, out=out)
+
+
+def _timed_back_to_back(fn, iters: int, n: int) -> float:
+    """Median ms per call of ``n`` calls launched in a row; with ``--filler-ms`` each call follows
+    the filler, whose own time (the same loop without the calls) is subtracted. Also records the
+    host's ms per call (launch until return, no sync) in ``HOST_MS``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fill = _filler if ARGS.filler_ms else (lambda: None)
+
+    def loop(call):
+        times, host = [], []
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            start.record()
+            h = 0.0
+            for _ in range(n):
+                fill()
+                t0 = time.perf_counter()
+                call()
+                h += time.perf_counter() - t0
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / n)
+            host.append(1e3 * h / n)
+        return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
+
+    ms, host = loop(fn)
+    HOST_MS[:] = [host]
+    if ARGS.filler_ms:
+        ms -= loop(lambda: None)[0]
+    return ms
 
 
 def _fwd_bwd(q, k, v, dout, cu, S, group):
@@ -351,7 +407,10 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
                 sync_free = f"{type(e).__name__}: {str(e)[:160]}"
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        ranks.append({"rank": r, "ms": round(ms, 3), "recv_MB": round(recv / 2**20, 2), "sync_free": sync_free, "_run": run})
+        host = round(HOST_MS[0], 3) if HOST_MS else None
+        ranks.append(
+            {"rank": r, "ms": round(ms, 3), "host_ms": host, "recv_MB": round(recv / 2**20, 2), "sync_free": sync_free, "_run": run}
+        )
         if ARGS.split_all:
             ranks[-1]["split"] = _split(run)
             ranks[-1]["pairs_M"] = round(plan.work[r] / 1e6, 3)
@@ -372,7 +431,7 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
             x["ms_rounds"] = [round(t, 3) for t in times]
             x["ms"] = round(sorted(times)[len(times) // 2], 3)
     slow = max(ranks, key=lambda x: x["ms"])
-    _install(_CopyComm(slow["rank"], c))
+    _install(emus[slow["rank"]][0])  # its own stand-in, buffers made: no random fill in the profile
     split = _split(slow.pop("_run"))
     for x in ranks:
         x.pop("_run", None)
@@ -510,6 +569,7 @@ def main():
                         f"S={S:>7} {layout:<14} {packing:<6} cp={c}  one GPU {row['one_gpu_ms']:9.2f} ms  slowest rank "
                         f"{row['slowest_ms']:9.2f} ms  per-GPU efficiency {row['efficiency']:.3f}  imbalance "
                         f"{row['imbalance']:.3f}  q moved max {max(row['q_moved'])}  K/V recv max {max(row['kv_recv'])}  "
+                        f"host ms/call max {max((x['host_ms'] or 0) for x in row['ranks']):.2f}  "
                         f"split {({k: v for k, v in row['slowest_split'].items() if k != 'top'})}"
                         f"  ({time.time() - t0:.0f} s)",
                         flush=True,
