@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import threading
 import time
@@ -97,7 +98,8 @@ def _args():
     )
     p.add_argument(
         "--rounds", type=int, default=1, metavar="R",
-        help="time every rank (and the anchor) R times in turn and keep each one's median, instead of "
+        help="time every rank (and the anchor) R times in turn and keep each one's median (odd R: an even "
+        "one averages the middle two), instead of "
         "once: one rank measured once drifts by +-5-7%% with identical kernels, and the slowest of c such "
         "draws is biased up",
     )
@@ -426,10 +428,10 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
             _install(emu)
             times.append(_timed(run, iters))
     if ARGS.rounds > 1:
-        one = sorted(ones)[len(ones) // 2]
+        one = statistics.median(ones)
         for x, (_, _, times) in zip(ranks, emus):
             x["ms_rounds"] = [round(t, 3) for t in times]
-            x["ms"] = round(sorted(times)[len(times) // 2], 3)
+            x["ms"] = round(statistics.median(times), 3)
     slow = max(ranks, key=lambda x: x["ms"])
     _install(emus[slow["rank"]][0])  # its own stand-in, buffers made: no random fill in the profile
     split = _split(slow.pop("_run"))
@@ -482,7 +484,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
         one_t.append(_timed(whole, iters))
         for times, run in zip(part_t, parts):
             times.append(_timed(run, iters))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = statistics.median
     one, each = med(one_t), [med(t) for t in part_t]
     return dict(
         S=S, layout=layout, packing=packing, cp=c, cut_row_ms=round(one, 3), chunk_ms=[round(x, 3) for x in each],
