@@ -171,18 +171,30 @@ def test_solver_scenarios_8_ranks(what, B, S, doc_len, model, before):
 
 @pytest.mark.slow  # 8 x 8 mesh: the largest strategy space here
 def test_solver_scenario_64_ranks_long_packed_rows():
-    # 8 hosts x 8 GPUs, 8 rows of 64k packed tokens: batch across hosts, CP inside a host
-    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024, cp_dim="cp")
-    assert layout == {"dp": "batch", "cp": "sequence"}
+    # 8 hosts x 8 GPUs, 8 rows of 64k packed tokens: batch across hosts, and inside a host the
+    # sequence or the heads, whichever the measured rates price cheaper (since 4028873 they price
+    # heads: 8k tokens per rank is a small context-parallel share, and the heads come from the
+    # projections already split, as in the 8-rank scenarios above), never batch x anything dearer
+    layout, _, _, choices = plan((8, 8), ("dp", "cp"), 8, 65536, 1024, cp_dim="cp")
+    assert layout["dp"] == "batch" and layout["cp"] in ("sequence", "heads")
+    for c in choices:
+        chosen, *others = c.alternatives
+        assert chosen.chosen and chosen.layout == layout
+        assert all(chosen.total_ms <= o.total_ms for o in others), (c.role, [str(a) for a in c.alternatives])
 
 
 @pytest.mark.slow  # 8 x 8 mesh: the largest strategy space here
 def test_solver_scenario_64_ranks_without_a_cp_dim_hint():
     # both dims have 8 ranks: without planning(cp_dim=...) the exchange is priced on the slower
-    # (inter-host) dim whichever dim shards the sequence, so the solver still pairs batch with
-    # sequence but cannot tell the dims apart
-    layout, *_ = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
-    assert sorted(layout.values()) == ["batch", "sequence"]
+    # (inter-host) dim whichever dim shards the sequence, so the solver cannot tell the dims
+    # apart; it still pairs batch with a split of each row (the sequence, or since the measured
+    # rates the heads, as with the hint above), the cheapest of its alternatives
+    layout, _, _, choices = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
+    assert sorted(layout.values()) in (["batch", "sequence"], ["batch", "heads"])
+    for c in choices:
+        chosen, *others = c.alternatives
+        assert chosen.chosen and chosen.layout == layout
+        assert all(chosen.total_ms <= o.total_ms for o in others), (c.role, [str(a) for a in c.alternatives])
 
 
 @pytest.mark.slow  # a 2 x 4 solve of its own
