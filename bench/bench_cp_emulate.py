@@ -130,6 +130,7 @@ import doc_packed as dp  # noqa: E402
 from doc_packed import kernels  # noqa: E402
 from doc_packed.cp import attention as cp_attention  # noqa: E402
 from doc_packed.cp import comm  # noqa: E402
+from doc_packed.cp.plan import owner_ranges  # noqa: E402
 
 GROUP = "emulated"
 
@@ -449,8 +450,7 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
 
 def _cut(lengths: list[int], S: int, c: int) -> list[list[int]]:
     """The row's segment lengths cut at ``torch.chunk``'s boundaries: one list per chunk."""
-    cs = -(-S // c)
-    bounds = [min(S, (r + 1) * cs) for r in range(c)]
+    bounds = [e for _, e in owner_ranges(S, c)]
     chunks: list[list[int]] = [[] for _ in range(c)]
     pos, r = 0, 0
     for n in lengths:
@@ -471,14 +471,12 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     the chunks' own imbalance (cut row / (c x slowest chunk))."""
     chunks = _cut(_lengths(layout, S, c, packing), S, c)
     q, k, v, dout, cu = _problem(S, [n for ch in chunks for n in ch], Hq, Hkv, D)
-    cs = -(-S // c)
     whole = _fwd_bwd(q, k, v, dout, cu, S, None)
     parts = []
     for r, ch in enumerate(chunks):
-        sl = slice(r * cs, min(S, (r + 1) * cs))
-        n = sl.stop - sl.start
+        n = sum(ch)
         cu_r = dp.cu_seqlens_from_lengths([ch], n, max_docs=len(ch) + 8).cuda()
-        parts.append(_fwd_bwd(*(t[:, sl].contiguous() for t in (q, k, v, dout)), cu_r, n, None))
+        parts.append(_fwd_bwd(*(t.chunk(c, dim=1)[r].contiguous() for t in (q, k, v, dout)), cu_r, n, None))
     one_t, part_t = [], [[] for _ in parts]
     for _ in range(ARGS.rounds):
         one_t.append(_timed(whole, iters))

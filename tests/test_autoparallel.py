@@ -169,6 +169,15 @@ def test_solver_scenarios_8_ranks(what, B, S, doc_len, model, before):
         assert r.free.layout == {"x": "batch"}
 
 
+def _assert_cheapest(choices, layout):
+    """Every attention node took ``layout``, the cheapest of its alternatives in AutoParallel's
+    own estimates."""
+    for c in choices:
+        chosen, *others = c.alternatives
+        assert chosen.chosen and chosen.layout == layout
+        assert all(chosen.total_ms <= o.total_ms for o in others), (c.role, [str(a) for a in c.alternatives])
+
+
 @pytest.mark.slow  # 8 x 8 mesh: the largest strategy space here
 def test_solver_scenario_64_ranks_long_packed_rows():
     # 8 hosts x 8 GPUs, 8 rows of 64k packed tokens: batch across hosts, and inside a host the
@@ -177,10 +186,7 @@ def test_solver_scenario_64_ranks_long_packed_rows():
     # projections already split, as in the 8-rank scenarios above), never batch x anything dearer
     layout, _, _, choices = plan((8, 8), ("dp", "cp"), 8, 65536, 1024, cp_dim="cp")
     assert layout["dp"] == "batch" and layout["cp"] in ("sequence", "heads")
-    for c in choices:
-        chosen, *others = c.alternatives
-        assert chosen.chosen and chosen.layout == layout
-        assert all(chosen.total_ms <= o.total_ms for o in others), (c.role, [str(a) for a in c.alternatives])
+    _assert_cheapest(choices, layout)
 
 
 @pytest.mark.slow  # 8 x 8 mesh: the largest strategy space here
@@ -191,10 +197,7 @@ def test_solver_scenario_64_ranks_without_a_cp_dim_hint():
     # rates the heads, as with the hint above), the cheapest of its alternatives
     layout, _, _, choices = plan((8, 8), ("dp", "cp"), 8, 65536, 1024)
     assert sorted(layout.values()) in (["batch", "sequence"], ["batch", "heads"])
-    for c in choices:
-        chosen, *others = c.alternatives
-        assert chosen.chosen and chosen.layout == layout
-        assert all(chosen.total_ms <= o.total_ms for o in others), (c.role, [str(a) for a in c.alternatives])
+    _assert_cheapest(choices, layout)
 
 
 @pytest.mark.slow  # a 2 x 4 solve of its own
