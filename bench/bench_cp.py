@@ -311,13 +311,10 @@ def worker(
             def refetch():
                 """The backward's second exchange: K|V, and moved rows' q|out (what keeping the
                 forward's received buffers would hold instead)."""
-                got = [comm.wait(cpa._start_kv(sch, cpa._flat(lk), cpa._flat(lv), group.group_name))] if sch.kv_traffic else []
+                fields = [cpa._kv_rows(sch, cpa._flat(lk), cpa._flat(lv))] if sch.kv_traffic else []
                 if sch.q_traffic:
-                    idx, row = sch.q_send_index, ((lq.shape[2], lq.shape[3]), lq.dtype)
-                    msg, (q_f, o_f) = cpa._message(sum(sch.q_send_splits), [row, row], lq.dtype, lq.device)
-                    torch.index_select(cpa._flat(lq), 0, idx, out=q_f)
-                    torch.index_select(cpa._flat(lo), 0, idx, out=o_f)
-                    got.append(comm.all_to_all(msg, sch.q_send_splits, sch.q_recv_splits, group.group_name))
+                    fields += cpa._moved(sch, cpa._flat(lq), cpa._flat(lo))
+                got = comm.exchange(fields, group.group_name) if fields else []
                 return got
 
             if profiling:

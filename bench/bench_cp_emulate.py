@@ -201,6 +201,16 @@ class _CopyComm:
             torch.cuda.current_stream().wait_event(done)
         return x
 
+    # the one-exchange-of-several-fields design (comm.start_exchange): a field is one stand-in
+    def start_exchange(self, fields, group):
+        return [self.start(x, s, r, group) for x, s, r in fields]
+
+    def wait_exchange(self, pending):
+        return [self.wait(x) for x in pending]
+
+    def exchange(self, fields, group):
+        return [self.all_to_all(x, s, r, group) for x, s, r in fields]
+
 
 class _Loopback:
     """All ranks as threads of one process: an all-to-all that moves the real rows. One rank
@@ -231,6 +241,9 @@ class _Loopback:
             self.turn.acquire()
         return got
 
+    def exchange(self, fields, group):
+        return [self.all_to_all(x, s, r, group) for x, s, r in fields]
+
 
 def _install(impl) -> None:
     """Point doc_packed.cp.comm's collectives at ``impl`` (either design's names); None: leave
@@ -242,6 +255,13 @@ def _install(impl) -> None:
         comm.group_info = lambda name: (impl.local.rank, impl.size)
     else:
         comm.group_info = lambda name: (impl.rank, impl.size)
+    if hasattr(comm, "start_exchange"):  # one exchange of several fields
+        comm.exchange = impl.exchange
+        if isinstance(impl, _CopyComm):
+            comm.start_exchange, comm.wait_exchange = impl.start_exchange, impl.wait_exchange
+        else:
+            comm.start_exchange, comm.wait_exchange = impl.exchange, lambda x: x
+        return
     comm.all_to_all = lambda x, s, r, g: impl.all_to_all(x, s, r, g)
     if hasattr(comm, "start_all_to_all"):
         if isinstance(impl, _CopyComm):

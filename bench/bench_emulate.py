@@ -73,17 +73,17 @@ def stubbed_cp_exchange():
     """Empty receive buffers for the CP exchange and no agreement check (fake groups move nothing)."""
     from doc_packed.cp import comm
 
-    saved = comm.all_to_all, comm.check_agreement
+    saved = comm.start_exchange, comm.wait_exchange, comm.exchange, comm.check_agreement
 
-    def all_to_all(x, send_splits, recv_splits, group_name):
-        return x.new_empty((sum(recv_splits), *x.shape[1:]))
+    def exchange(fields, group_name):
+        return [x.new_empty((sum(recv), *x.shape[1:])) for x, _send, recv in fields]
 
-    comm.all_to_all = all_to_all
+    comm.start_exchange, comm.wait_exchange, comm.exchange = exchange, (lambda got: got), exchange
     comm.check_agreement = lambda *a, **k: None
     try:
         yield
     finally:
-        comm.all_to_all, comm.check_agreement = saved
+        comm.start_exchange, comm.wait_exchange, comm.exchange, comm.check_agreement = saved
 
 
 def make_layouts(n: int, B: int, S: int, docs: str, device, seed0: int = 0) -> list[torch.Tensor]:

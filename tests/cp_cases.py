@@ -127,3 +127,35 @@ def compiled_cp(rank, world):
         grads = torch.autograd.grad(out.sum(), shard)
         errors.append(max((a - b).abs().max().item() for a, b in zip((out, *grads), (ref, gq, gk, gv))))
     return errors
+
+
+def _rows_for(src, dst, tag, n, tail, dtype):
+    """The ``n`` rows rank ``src`` sends rank ``dst`` in field ``tag``: values that name them."""
+    base = torch.arange(n, dtype=torch.float64).reshape(n, *([1] * len(tail)))
+    within = torch.arange(torch.Size(tail).numel(), dtype=torch.float64).reshape(1, *tail)
+    return (1000 * src + 100 * dst + 10 * tag + base + within / 64).to(dtype)
+
+
+def exchange_fields(rank, world):
+    """Fields of different dtypes, shapes and per-peer row counts (zeros and rows a rank keeps
+    for itself among them) in one ``comm.start_exchange``: each rank returns what landed and
+    what it should be, built from the senders' formula (not from the exchange)."""
+    from doc_packed.cp import comm
+
+    specs = [((2, 3), torch.float64), ((5,), torch.float32), ((), torch.int64), ((4, 2), torch.bfloat16)]
+    count = lambda src, dst, tag: (3 * src + 5 * dst + 2 * tag) % 4 if tag != 2 else (src == 0) * (dst + 1)  # noqa: E731
+    fields = []
+    for tag, (tail, dtype) in enumerate(specs):
+        send = [count(rank, p, tag) for p in range(world)]
+        recv = [count(p, rank, tag) for p in range(world)]
+        x = torch.cat([_rows_for(rank, p, tag, send[p], tail, dtype) for p in range(world)])
+        fields.append((x, send, recv))
+    name = dist.group.WORLD.group_name
+    pending = comm.start_exchange(fields, name)
+    got = comm.wait_exchange(pending)
+    want = [
+        torch.cat([_rows_for(p, rank, tag, count(p, rank, tag), tail, dtype) for p in range(world)])
+        for tag, (tail, dtype) in enumerate(specs)
+    ]
+    blocking = comm.exchange(fields[1:2], name)  # the waited form, one field
+    return got, want, blocking, comm.exchange([], name)

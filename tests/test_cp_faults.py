@@ -157,7 +157,7 @@ def check_rank_local_faults(results: list, tol: float) -> None:
 @pytest.mark.parametrize("companion", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_agreement_costs_one_small_collective(run_ranks, companion):
     """A cached forward + backward: one agreement all-gather per pass (3 int64 words per rank)
-    besides the data collectives of the schedule."""
+    besides the schedule's data exchanges, two per pass."""
     world = 2
     for measured, (fwd, bwd), err, _us, _raw_us in run_ranks(count_collectives, world, companion):
         assert err < TOL
@@ -165,6 +165,9 @@ def test_agreement_costs_one_small_collective(run_ranks, companion):
         assert measured["agree_bytes_sent"] == 2 * 24, measured
         assert measured["agree_bytes_received"] == 2 * 24 * world, measured
         assert measured["data"] == fwd + bwd, measured
+        # the plan moves queries here: one exchange out and one home per pass (K|V with the
+        # moved rows; out|lse, or dQ with partial dK|dV)
+        assert (fwd, bwd) == (2, 2)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Context parallelism waits for a transfer only where stage B needs its data: stage A's kernels
-are issued between starting the K/V (and query) all-to-alls and waiting for them."""
+are issued between starting the exchange (K/V and moved queries, one AllToAll-V) and waiting for it."""
 
 import torch
 
@@ -12,19 +12,22 @@ def _events(monkeypatch, rank: int, size: int, S: int, lengths):
     log: list[str] = []
     pending = set()
 
-    def start(x, send_splits, recv_splits, group):
-        out = torch.randn((sum(recv_splits), *x.shape[1:]), dtype=torch.float64).to(x.dtype)
-        pending.add(id(out))
+    def landed(fields):
+        return [torch.randn((sum(r), *x.shape[1:]), dtype=torch.float64).to(x.dtype) for x, _s, r in fields]
+
+    def start(fields, group):
+        ex = comm.Exchange(received=landed(fields))
+        pending.add(id(ex))
         log.append("start")
-        return out
+        return ex
 
-    def wait(x):
-        log.append("wait" if id(x) in pending else "wait?")
-        return x
+    def wait(ex):
+        log.append("wait" if id(ex) in pending else "wait?")
+        return ex.received
 
-    def blocking(x, send_splits, recv_splits, group):
-        log.append("all_to_all")
-        return torch.randn((sum(recv_splits), *x.shape[1:]), dtype=torch.float64).to(x.dtype)
+    def blocking(fields, group):
+        log.append("exchange")
+        return landed(fields)
 
     real_fwd, real_bwd = kernels.forward, kernels.backward
 
@@ -38,9 +41,9 @@ def _events(monkeypatch, rank: int, size: int, S: int, lengths):
 
     monkeypatch.setattr(comm, "group_info", lambda name: (rank, size))
     monkeypatch.setattr(comm, "check_agreement", lambda *a, **k: None)
-    monkeypatch.setattr(comm, "start_all_to_all", start)
-    monkeypatch.setattr(comm, "wait", wait)
-    monkeypatch.setattr(comm, "all_to_all", blocking)
+    monkeypatch.setattr(comm, "start_exchange", start)
+    monkeypatch.setattr(comm, "wait_exchange", wait)
+    monkeypatch.setattr(comm, "exchange", blocking)
     monkeypatch.setattr(attention.kernels, "forward", fwd)
     monkeypatch.setattr(attention.kernels, "backward", bwd)
     cu = dp.cu_seqlens_from_lengths([lengths], S)
@@ -64,5 +67,6 @@ def test_stage_a_runs_between_start_and_wait(monkeypatch):
         assert log[log.index("start") : first_wait].count("kernel") >= 1, log  # stage A in flight
         assert "kernel" in log[first_wait:], log  # stage B after the data landed
         assert "wait?" not in log
-        # nothing blocks before stage A: the only blocking all-to-alls come after stage B
-        assert "all_to_all" not in log[:first_wait]
+        # one exchange out, started before stage A; the only blocking one (home) after stage B
+        assert log.count("start") == 1 and log.count("wait") == 1, log
+        assert log.count("exchange") == 1 and log.index("exchange") > len(log) - 1 - log[::-1].index("kernel"), log

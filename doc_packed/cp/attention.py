@@ -2,18 +2,20 @@
 
 Each call runs this rank's :class:`~.schedule.RankSchedule` top to bottom:
 
-- **Forward.** Start the K/V exchange (and, when the plan moves queries, the query exchange);
-  run stage A (own queries x own keys, on the local tensors in place) while they are in flight;
-  wait; run stage B (everything that reads a received buffer); merge stage B into stage A by
-  log-sum-exp on the rows it touches; send moved-in rows' output and lse back to their owners
-  in one message.
-- **Backward.** The adjoint, with the final output and lse: K/V (and moved rows' q, out, dout,
-  lse, one message) fetched again while stage A's backward runs; stage B's backward; dQ of
-  moved rows and partial dK/dV of received keys go back to their owners, who add them in
-  float32. Fetching again instead of keeping the forward's buffers keeps the ops' saved tensors
-  the local shards (docs/context_parallel.md has the measured trade).
+- **Forward.** Start the exchange (K|V rows peers need and, when the plan moves queries, the
+  moved query rows); run stage A (own queries x own keys, on the local tensors in place) while
+  it is in flight; wait; run stage B (everything that reads a received buffer); merge stage B
+  into stage A by log-sum-exp on the rows it touches; send moved-in rows' output and lse back
+  to their owners.
+- **Backward.** The adjoint, with the final output and lse: K|V (and moved rows' q, out, dout,
+  lse) fetched again while stage A's backward runs; stage B's backward; dQ of moved rows and
+  partial dK/dV of received keys go back to their owners, who add them in float32. Fetching
+  again instead of keeping the forward's buffers keeps the ops' saved tensors the local shards
+  (docs/context_parallel.md has the measured trade).
 
-Collectives per call: forward 1 (K/V) plus 2 when queries move; backward 2 plus 2.
+Each exchange is one AllToAll-V of all its fields (:func:`comm.start_exchange`), every field
+landing in its own buffer. Exchanges per call: forward 1, plus 1 (the way home) when queries
+move; backward 2 (out and home).
 """
 
 from __future__ import annotations
@@ -172,52 +174,25 @@ def _rows(x: torch.Tensor, a: int, b: int, dim: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- data movement
 
 
-def _start_kv(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor, group: str):
-    """K|V rows peers need, as ``[n, 2, H_kv, D]``, issued; None when nothing moves."""
-    if not sch.kv_traffic:
-        return None
+def _kv_rows(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor) -> comm.Field:
+    """The exchange's K|V field: rows peers need, gathered as ``[n, 2, H_kv, D]``."""
     send = kf.new_empty((sum(sch.kv_send_splits), 2, *kf.shape[1:]))
     torch.index_select(kf, 0, sch.kv_send_index, out=send[:, 0])  # gathered into the message
     torch.index_select(vf, 0, sch.kv_send_index, out=send[:, 1])
-    return comm.start_all_to_all(send, sch.kv_send_splits, sch.kv_recv_splits, group)
+    return send, sch.kv_send_splits, sch.kv_recv_splits
 
 
-def _landed_kv(pending, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _moved(sch: RankSchedule, *rows: torch.Tensor) -> list[comm.Field]:
+    """One exchange field per tensor of ``rows`` (``[rows, ...]``): the rows the plan moves."""
+    return [(x.index_select(0, sch.q_send_index), sch.q_send_splits, sch.q_recv_splits) for x in rows]
+
+
+def _kv_views(kv: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Received keys and values, where they landed (views of one buffer)."""
-    if pending is None:
+    if kv is None:
         empty = like[:0]
         return empty, empty
-    kv = comm.wait(pending)
     return kv[:, 0], kv[:, 1]
-
-
-# A message row holds several fields side by side (``(shape, dtype)`` each, e.g. a query row
-# and its lse) as words of one dtype; senders write the fields in place (no concatenation),
-# receivers read them as views (no copies).
-Fields = list[tuple[tuple[int, ...], torch.dtype]]
-
-
-def _message(
-    n: int, fields: Fields, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """An uninitialised ``[n, W]`` message of ``dtype`` words and a view of each field in it."""
-    words = [torch.Size(shape).numel() * d.itemsize // dtype.itemsize for shape, d in fields]
-    widest = max(1, max(d.itemsize for _, d in fields) // dtype.itemsize)
-    # the row length is a multiple of the widest field's words, so each field views as its dtype
-    msg = torch.empty((n, -(-sum(words) // widest) * widest), dtype=dtype, device=device)
-    return msg, _fields(msg, fields)
-
-
-def _fields(msg: torch.Tensor, fields: Fields) -> list[torch.Tensor]:
-    """Views of the fields of each row of a message made by :func:`_message` (wider dtypes first,
-    so each starts on a multiple of its own size)."""
-    out, col = [], 0
-    for shape, dtype in fields:
-        width = torch.Size(shape).numel() * dtype.itemsize // msg.dtype.itemsize
-        part = msg[:, col : col + width]
-        out.append((part if dtype == msg.dtype else part.view(dtype)).view(msg.shape[0], *shape))
-        col += width
-    return out
 
 
 # ----------------------------------------------------------------------------- merging
@@ -353,30 +328,24 @@ def forward(
     )
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    kv_pending = _start_kv(sch, kf, vf, group_name)
-    q_pending = None
-    if sch.q_traffic:
-        q_pending = comm.start_all_to_all(
-            qf.index_select(0, sch.q_send_index), sch.q_send_splits, sch.q_recv_splits, group_name
-        )
+    # one exchange out: K|V rows peers need, and the queries the plan moves
+    fields = ([_kv_rows(sch, kf, vf)] if sch.kv_traffic else []) + (_moved(sch, qf) if sch.q_traffic else [])
+    pending = comm.start_exchange(fields, group_name) if fields else None
     n_moved = sum(sch.q_recv_splits)
     rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
     kvs = {LOCAL: (kf, vf)}
     # stage A: own queries x own keys while the exchange is in flight
     _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, softcap)
     # stage B: everything that reads a received buffer
-    kvs[RECV] = _landed_kv(kv_pending, kf)
-    q_recv = comm.wait(q_pending) if q_pending is not None else qf[:0]
+    got = comm.wait_exchange(pending) if pending is not None else []
+    kvs[RECV] = _kv_views(got[0] if sch.kv_traffic else None, kf)
+    q_recv = got[-1] if sch.q_traffic else qf[:0]
     _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
     out, lse = rows[LOCAL].result()
-    if sch.q_traffic:  # moved-in rows' lse and output go home in one message
+    if sch.q_traffic:  # moved-in rows' output and lse go home, in one exchange
         o_moved, l_moved = rows[RECV].result()
-        fields: Fields = [((Hq,), lse.dtype), ((Hq, D), q.dtype)]
-        send, (l_send, o_send) = _message(n_moved, fields, q.dtype, q.device)
-        l_send.copy_(l_moved.t())
-        o_send.copy_(o_moved)
-        msg = comm.all_to_all(send, sch.q_recv_splits, sch.q_send_splits, group_name)
-        l_home, o_home = _fields(msg, fields)
+        home = [(x, sch.q_recv_splits, sch.q_send_splits) for x in (o_moved, l_moved.t())]
+        o_home, l_home = comm.exchange(home, group_name)
         out.index_copy_(0, sch.q_send_index, o_home)
         lse.index_copy_(1, sch.q_send_index, l_home.t())
     return out.reshape(B, L, Hq, D).contiguous(), lse.reshape(Hq, B, L).transpose(0, 1).contiguous()
@@ -448,16 +417,11 @@ def backward(
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     of, dof = _flat(out.contiguous()), _flat(dout.contiguous())
     lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
-    kv_pending = _start_kv(sch, kf, vf, group_name)
-    q_pending = None
-    fields: Fields = [((Hq,), lse.dtype)] + [((Hq, D), q.dtype)] * 3
-    if sch.q_traffic:  # moved rows travel with their lse, output and output gradient
-        idx = sch.q_send_index
-        send, (l_send, *rows_send) = _message(sum(sch.q_send_splits), fields, q.dtype, q.device)
-        torch.index_select(lse_rows, 1, idx, out=l_send.t())  # gathered into the message
-        for x, to in zip((qf, of, dof), rows_send):
-            torch.index_select(x, 0, idx, out=to)
-        q_pending = comm.start_all_to_all(send, sch.q_send_splits, sch.q_recv_splits, group_name)
+    # one exchange out: K|V rows peers need, and moved rows with their output, output gradient and lse
+    fields = [_kv_rows(sch, kf, vf)] if sch.kv_traffic else []
+    if sch.q_traffic:
+        fields += _moved(sch, qf, of, dof, lse_rows.t())
+    pending = comm.start_exchange(fields, group_name) if fields else None
     n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
     dq = {LOCAL: _Grad(sch.local_rows, (Hq, D), q.dtype, q.device), RECV: _Grad(n_moved, (Hq, D), q.dtype, q.device)}
     dk = {LOCAL: _Grad(sch.local_rows, (Hkv, D), k.dtype, k.device), RECV: _Grad(n_kv, (Hkv, D), k.dtype, k.device)}
@@ -487,18 +451,22 @@ def backward(
             dv[call.k_buf].add(call.k0, g_v, call.k_rows)
 
     run(sch.stage_a)
-    kvs[RECV] = _landed_kv(kv_pending, kf)
-    if q_pending is not None:
-        l_m, q_m, o_m, do_m = _fields(comm.wait(q_pending), fields)
-        saved[RECV] = (q_m.contiguous(), o_m.contiguous(), do_m.contiguous(), l_m.t().contiguous())
+    got = comm.wait_exchange(pending) if pending is not None else []
+    kvs[RECV] = _kv_views(got[0] if sch.kv_traffic else None, kf)
+    if sch.q_traffic:
+        q_m, o_m, do_m, l_m = got[-4:]
+        saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
     run(sch.stage_b)
     dq_local = dq[LOCAL].result()
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
-    if sch.q_traffic:  # dQ of moved rows goes home
-        back = comm.all_to_all(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits, group_name)
-        dq_local.index_copy_(0, sch.q_send_index, back)
-    if sch.kv_traffic:  # partial dK|dV of received keys go home and are summed in float32
+    # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
+    home = [(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits)] if sch.q_traffic else []
+    if sch.kv_traffic:
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
-        back = comm.all_to_all(partial, sch.kv_recv_splits, sch.kv_send_splits, group_name)
-        _add_partials(sch, dk_local, dv_local, back)
+        home.append((partial, sch.kv_recv_splits, sch.kv_send_splits))
+    back = comm.exchange(home, group_name) if home else []
+    if sch.q_traffic:
+        dq_local.index_copy_(0, sch.q_send_index, back[0])
+    if sch.kv_traffic:
+        _add_partials(sch, dk_local, dv_local, back[-1])
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -1,11 +1,15 @@
-"""Communication primitives of the context-parallel exchange, on torch's functional collectives.
+"""Communication primitives of the context-parallel exchange.
 
-- :func:`start_all_to_all` / :func:`wait`: an AllToAll-V over ``all_to_all_single`` with
-  per-peer split sizes, issued so that compute runs while it is in flight.
+- :func:`start_exchange` / :func:`wait_exchange` (and :func:`exchange`, waited): one AllToAll-V
+  of several fields at once (e.g. K|V rows and moved query rows), each with its own per-peer
+  row counts and landing in its own contiguous receive buffer, so nothing is packed into a
+  message or cut out of one. It is one grouped batch of point-to-point transfers
+  (``torch.distributed.batch_isend_irecv``: on NCCL one ``ncclGroupStart``/``ncclGroupEnd``,
+  what ``all_to_all_single`` issues too), started so that compute runs while it is in flight.
 - :func:`check_agreement`: one small all-gather per context-parallel call proving every rank
   makes the same call, before any data moves (docs/contract.md, section 8).
 
-Split sizes are host ints taken from the plan, so no collective here needs a host sync. The
+Row counts are host ints taken from the plan, so no exchange here needs a host sync. The
 agreement runs on CPU tensors, on the group itself when it has a CPU backend (gloo, or torch's
 default ``cpu:gloo,cuda:nccl``) and otherwise on a gloo companion group created at the group's
 first context-parallel call: a host round trip, never a device sync.
@@ -17,6 +21,9 @@ import functools
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -25,7 +32,17 @@ from torch.distributed.constants import default_pg_timeout
 
 from .. import _compat
 
-__all__ = ["AGREEMENT_WORDS", "all_to_all", "check_agreement", "fingerprint", "group_info", "start_all_to_all", "wait"]
+__all__ = [
+    "AGREEMENT_WORDS",
+    "Exchange",
+    "Field",
+    "check_agreement",
+    "exchange",
+    "fingerprint",
+    "group_info",
+    "start_exchange",
+    "wait_exchange",
+]
 
 
 def group_info(group_name: str) -> tuple[int, int]:
@@ -34,19 +51,82 @@ def group_info(group_name: str) -> tuple[int, int]:
     return dist.get_rank(pg), dist.get_world_size(pg)
 
 
-def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str) -> torch.Tensor:
-    """AllToAll-V along dim 0: ``x`` holds ``send_splits[p]`` rows for peer ``p`` in order."""
-    return _compat.all_to_all_single(x.contiguous(), recv_splits, send_splits, group_name)
+# ----------------------------------------------------------------------------- data exchange
+
+# One field of an exchange: (rows to send, grouped by destination rank in rank order; rows for
+# each peer; rows from each peer). Received rows land grouped by source rank, in rank order.
+Field = tuple[torch.Tensor, Sequence[int], Sequence[int]]
 
 
-def start_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group_name: str) -> torch.Tensor:
-    """Issue an AllToAll-V along dim 0 and return at once; :func:`wait` before reading the result."""
-    return _compat.all_to_all_single_async(x.contiguous(), recv_splits, send_splits, group_name)
+@dataclass
+class Exchange:
+    """An exchange in flight: its receive buffers (one per field, not to be read before
+    :func:`wait_exchange`), the transfers' handles, and the send buffers they read."""
+
+    received: list[torch.Tensor]
+    works: list[Any] = field(default_factory=list)
+    sent: list[torch.Tensor] = field(default_factory=list)
 
 
-def wait(x: torch.Tensor) -> torch.Tensor:
-    """The landed result of :func:`start_all_to_all`."""
-    return _compat.wait_tensor(x)
+# (group name, device type) -> the ProcessGroup whose communicator a collective has created
+_warm: dict[tuple[str, str], dist.ProcessGroup] = {}
+
+
+def _ensure_communicator(group_name: str, pg: dist.ProcessGroup, device: torch.device) -> None:
+    """Make sure the group's device communicator exists before a batch of point-to-point
+    transfers that may leave some ranks out: NCCL creates it lazily at a group's first
+    collective, which every rank must then join (torch's ``batch_isend_irecv`` notes). Every
+    rank of a context-parallel group makes the same exchanges (the plan's traffic flags are the
+    same on every rank), so each reaches its first one together; one 1-element all-reduce, once."""
+    if device.type == "cpu" or _warm.get((group_name, device.type)) is pg:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=pg)
+    _warm[(group_name, device.type)] = pg
+
+
+def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
+    """Issue one AllToAll-V of every field and return at once (:func:`wait_exchange` before
+    reading). Every rank of the group passes the same number of fields, in the same order, and
+    field ``f``'s rows for peer ``p`` are what ``p`` expects from this rank in its field ``f``."""
+    pg = _compat.resolve_process_group(group_name)
+    rank = dist.get_rank(pg)
+    ex = Exchange(received=[])
+    ops: list[dist.P2POp] = []
+    for tag, (x, send, recv) in enumerate(fields):
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        ex.received.append(out)
+        ex.sent.append(x)
+        s_at, r_at = [0, *accumulate(send)], [0, *accumulate(recv)]
+        for p, (ns, nr) in enumerate(zip(send, recv)):
+            if p == rank:  # rows this rank keeps: a local copy
+                if ns:
+                    out[r_at[p] : r_at[p] + nr].copy_(x[s_at[p] : s_at[p] + ns])
+                continue
+            peer = dist.get_global_rank(pg, p)
+            if ns:
+                ops.append(dist.P2POp(dist.isend, x[s_at[p] : s_at[p] + ns], peer, pg, tag))
+            if nr:
+                ops.append(dist.P2POp(dist.irecv, out[r_at[p] : r_at[p] + nr], peer, pg, tag))
+    if fields:
+        _ensure_communicator(group_name, pg, fields[0][0].device)
+    if ops:
+        ex.works = dist.batch_isend_irecv(ops)
+    return ex
+
+
+def wait_exchange(ex: Exchange) -> list[torch.Tensor]:
+    """The landed receive buffers of :func:`start_exchange`, one per field (on CUDA the current
+    stream waits for the transfers; the host does not)."""
+    for work in ex.works:
+        work.wait()
+    ex.works, ex.sent = [], []
+    return ex.received
+
+
+def exchange(fields: Sequence[Field], group_name: str) -> list[torch.Tensor]:
+    """:func:`start_exchange`, waited."""
+    return wait_exchange(start_exchange(fields, group_name))
 
 
 # ----------------------------------------------------------------------------- agreement

@@ -103,9 +103,10 @@ class RankSchedule:
 
     @property
     def collectives(self) -> tuple[int, int]:
-        """Data-carrying collectives per (forward, backward) call."""
-        fwd = int(self.kv_traffic) + 2 * int(self.q_traffic)
-        return fwd, int(self.kv_traffic) * 2 + 2 * int(self.q_traffic)
+        """Data-carrying exchanges (one AllToAll-V each, of all its fields) per (forward,
+        backward) call: out, and home when queries moved (forward) / always (backward)."""
+        out = int(self.kv_traffic or self.q_traffic)
+        return out + int(self.q_traffic), 2 * out
 
 
 def _parts(b: int, s: int, e: int, cs: int, seq_len: int):
