@@ -311,7 +311,7 @@ def worker(
             def refetch():
                 """The backward's second exchange: K|V, and moved rows' q|out (what keeping the
                 forward's received buffers would hold instead)."""
-                fields = [cpa._kv_rows(sch, cpa._flat(lk), cpa._flat(lv))] if sch.kv_traffic else []
+                fields = cpa._kv_fields(sch, cpa._flat(lk), cpa._flat(lv)) if sch.kv_traffic else []
                 if sch.q_traffic:
                     fields += cpa._moved(sch, cpa._flat(lq), cpa._flat(lo))
                 got = comm.exchange(fields, group.group_name) if fields else []

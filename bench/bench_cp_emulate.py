@@ -201,15 +201,16 @@ class _CopyComm:
             torch.cuda.current_stream().wait_event(done)
         return x
 
-    # the one-exchange-of-several-fields design (comm.start_exchange): a field is one stand-in
+    # the one-exchange-of-several-fields design (comm.start_exchange, fields sent as runs of
+    # rows): a field is one stand-in of the rows it receives
     def start_exchange(self, fields, group):
-        return [self.start(x, s, r, group) for x, s, r in fields]
+        return [self.start(x, None, [sum(r) for r in recv], group) for x, _send, recv in fields]
 
     def wait_exchange(self, pending):
         return [self.wait(x) for x in pending]
 
     def exchange(self, fields, group):
-        return [self.all_to_all(x, s, r, group) for x, s, r in fields]
+        return [self.all_to_all(x, None, [sum(r) for r in recv], group) for x, _send, recv in fields]
 
 
 class _Loopback:
@@ -242,7 +243,13 @@ class _Loopback:
         return got
 
     def exchange(self, fields, group):
-        return [self.all_to_all(x, s, r, group) for x, s, r in fields]
+        """One field at a time: each source's runs to this rank, in order (the real rows)."""
+        got = []
+        for x, send, recv in fields:
+            blocks = [torch.cat([x[r0 : r0 + n] for r0, n in runs]) if runs else x[:0] for runs in send]
+            land = self.all_to_all(torch.cat(blocks), [b.shape[0] for b in blocks], [sum(r) for r in recv], group)
+            got.append(land)
+        return got
 
 
 def _install(impl) -> None:

@@ -129,33 +129,42 @@ def compiled_cp(rank, world):
     return errors
 
 
-def _rows_for(src, dst, tag, n, tail, dtype):
-    """The ``n`` rows rank ``src`` sends rank ``dst`` in field ``tag``: values that name them."""
+def _field_rows(src, tag, tail, dtype, n=12):
+    """Rank ``src``'s rows of field ``tag``: values that name the sender, field and row."""
     base = torch.arange(n, dtype=torch.float64).reshape(n, *([1] * len(tail)))
     within = torch.arange(torch.Size(tail).numel(), dtype=torch.float64).reshape(1, *tail)
-    return (1000 * src + 100 * dst + 10 * tag + base + within / 64).to(dtype)
+    return (1000 * src + 100 * tag + base + within / 64).to(dtype)
+
+
+def _field_runs(src, dst, tag):
+    """The runs ``(first row, rows)`` rank ``src`` sends rank ``dst`` in field ``tag``: none,
+    one, or two apart (overlapping other peers' runs, and rows kept for itself among them)."""
+    k = (3 * src + 5 * dst + 2 * tag) % 4
+    return [] if k == 0 else [(dst, k)] if k < 3 else [(2 * dst, 1), (7 + dst % 3, k - 1)]
 
 
 def exchange_fields(rank, world):
-    """Fields of different dtypes, shapes and per-peer row counts (zeros and rows a rank keeps
-    for itself among them) in one ``comm.start_exchange``: each rank returns what landed and
-    what it should be, built from the senders' formula (not from the exchange)."""
+    """Fields of different dtypes and row shapes in one ``comm.start_exchange``, sent as runs
+    of rows (several per peer, overlapping across peers, kept rows among them) or by splits:
+    each rank returns what landed and what it should be, built from the senders' formula (not
+    from the exchange)."""
     from doc_packed.cp import comm
 
     specs = [((2, 3), torch.float64), ((5,), torch.float32), ((), torch.int64), ((4, 2), torch.bfloat16)]
-    count = lambda src, dst, tag: (3 * src + 5 * dst + 2 * tag) % 4 if tag != 2 else (src == 0) * (dst + 1)  # noqa: E731
     fields = []
     for tag, (tail, dtype) in enumerate(specs):
-        send = [count(rank, p, tag) for p in range(world)]
-        recv = [count(p, rank, tag) for p in range(world)]
-        x = torch.cat([_rows_for(rank, p, tag, send[p], tail, dtype) for p in range(world)])
-        fields.append((x, send, recv))
-    name = dist.group.WORLD.group_name
-    pending = comm.start_exchange(fields, name)
-    got = comm.wait_exchange(pending)
+        send = [_field_runs(rank, p, tag) for p in range(world)]
+        recv = [[n for _, n in _field_runs(p, rank, tag)] for p in range(world)]
+        fields.append((_field_rows(rank, tag, tail, dtype), send, recv))
     want = [
-        torch.cat([_rows_for(p, rank, tag, count(p, rank, tag), tail, dtype) for p in range(world)])
+        torch.cat([_field_rows(p, tag, tail, dtype)[r0 : r0 + n] for p in range(world) for r0, n in _field_runs(p, rank, tag)])
         for tag, (tail, dtype) in enumerate(specs)
     ]
-    blocking = comm.exchange(fields[1:2], name)  # the waited form, one field
-    return got, want, blocking, comm.exchange([], name)
+    name = dist.group.WORLD.group_name
+    got = comm.wait_exchange(comm.start_exchange(fields, name))
+    # by splits, waited: rank r sends r + p + 1 rows to peer p
+    rows = _field_rows(rank, 9, (3,), torch.float32)[: sum(rank + p + 1 for p in range(world))]
+    split = comm.exchange([comm.by_splits(rows, [rank + p + 1 for p in range(world)], [p + rank + 1 for p in range(world)])], name)
+    at = lambda p: sum(p + q + 1 for q in range(rank))  # noqa: E731  (where p's rows for this rank start)
+    want_split = torch.cat([_field_rows(p, 9, (3,), torch.float32)[at(p) : at(p) + p + rank + 1] for p in range(world)])
+    return got, want, split, want_split, comm.exchange([], name)

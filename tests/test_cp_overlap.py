@@ -13,7 +13,7 @@ def _events(monkeypatch, rank: int, size: int, S: int, lengths):
     pending = set()
 
     def landed(fields):
-        return [torch.randn((sum(r), *x.shape[1:]), dtype=torch.float64).to(x.dtype) for x, _s, r in fields]
+        return [torch.randn((sum(map(sum, r)), *x.shape[1:]), dtype=torch.float64).to(x.dtype) for x, _s, r in fields]
 
     def start(fields, group):
         ex = comm.Exchange(received=landed(fields))

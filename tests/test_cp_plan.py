@@ -40,6 +40,25 @@ def independent_check(cu, S, c, causal, window, plan):
         assert sum(ex.kv_recv_splits) == len(recv)
         assert sum(ex.q_recv_splits) == moved
     assert bool((covered == 1).all()), "every query computed exactly once"
+    runs_agree([build_schedule(plan, r, torch.device("cpu")) for r in range(c)])
+
+
+def runs_agree(schedules):
+    """The exchange's runs: what a rank sends a peer, run by run, is what the peer expects from
+    it, and the runs cover the rows of the index-based description, in its order."""
+    for src in schedules:
+        for kind in ("kv", "q"):
+            index = getattr(src, f"{kind}_send_index").tolist()
+            splits = getattr(src, f"{kind}_send_splits")
+            at = 0
+            for dst, runs in enumerate(getattr(src, f"{kind}_send_runs")):
+                expected = getattr(schedules[dst], f"{kind}_recv_runs")[src.rank]
+                assert [n for _, n in runs] == list(expected), (kind, src.rank, dst)
+                rows = [r for r0, n in runs for r in range(r0, r0 + n)]
+                assert rows == index[at : at + splits[dst]], (kind, src.rank, dst)
+                at += splits[dst]
+                # adjacent runs are merged: one transfer per contiguous block
+                assert all(a + n != b for (a, n), (b, _) in zip(runs, runs[1:])), runs
 
 
 @pytest.mark.parametrize("causal,window", MASKS)

@@ -174,25 +174,15 @@ def _rows(x: torch.Tensor, a: int, b: int, dim: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- data movement
 
 
-def _kv_rows(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor) -> comm.Field:
-    """The exchange's K|V field: rows peers need, gathered as ``[n, 2, H_kv, D]``."""
-    send = kf.new_empty((sum(sch.kv_send_splits), 2, *kf.shape[1:]))
-    torch.index_select(kf, 0, sch.kv_send_index, out=send[:, 0])  # gathered into the message
-    torch.index_select(vf, 0, sch.kv_send_index, out=send[:, 1])
-    return send, sch.kv_send_splits, sch.kv_recv_splits
+def _kv_fields(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor) -> list[comm.Field]:
+    """The exchange's K and V fields: the runs of local rows peers need, sent where they are."""
+    return [(x, sch.kv_send_runs, sch.kv_recv_runs) for x in (kf, vf)]
 
 
 def _moved(sch: RankSchedule, *rows: torch.Tensor) -> list[comm.Field]:
-    """One exchange field per tensor of ``rows`` (``[rows, ...]``): the rows the plan moves."""
-    return [(x.index_select(0, sch.q_send_index), sch.q_send_splits, sch.q_recv_splits) for x in rows]
-
-
-def _kv_views(kv: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Received keys and values, where they landed (views of one buffer)."""
-    if kv is None:
-        empty = like[:0]
-        return empty, empty
-    return kv[:, 0], kv[:, 1]
+    """One exchange field per tensor of ``rows`` (``[rows, ...]``): the runs of rows the plan
+    moves, sent where they are."""
+    return [(x, sch.q_send_runs, sch.q_recv_runs) for x in rows]
 
 
 # ----------------------------------------------------------------------------- merging
@@ -329,7 +319,7 @@ def forward(
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     # one exchange out: K|V rows peers need, and the queries the plan moves
-    fields = ([_kv_rows(sch, kf, vf)] if sch.kv_traffic else []) + (_moved(sch, qf) if sch.q_traffic else [])
+    fields = (_kv_fields(sch, kf, vf) if sch.kv_traffic else []) + (_moved(sch, qf) if sch.q_traffic else [])
     pending = comm.start_exchange(fields, group_name) if fields else None
     n_moved = sum(sch.q_recv_splits)
     rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
@@ -338,13 +328,13 @@ def forward(
     _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, softcap)
     # stage B: everything that reads a received buffer
     got = comm.wait_exchange(pending) if pending is not None else []
-    kvs[RECV] = _kv_views(got[0] if sch.kv_traffic else None, kf)
+    kvs[RECV] = (got[0], got[1]) if sch.kv_traffic else (kf[:0], vf[:0])
     q_recv = got[-1] if sch.q_traffic else qf[:0]
     _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
     out, lse = rows[LOCAL].result()
     if sch.q_traffic:  # moved-in rows' output and lse go home, in one exchange
         o_moved, l_moved = rows[RECV].result()
-        home = [(x, sch.q_recv_splits, sch.q_send_splits) for x in (o_moved, l_moved.t())]
+        home = [comm.by_splits(x, sch.q_recv_splits, sch.q_send_splits) for x in (o_moved, l_moved.t().contiguous())]
         o_home, l_home = comm.exchange(home, group_name)
         out.index_copy_(0, sch.q_send_index, o_home)
         lse.index_copy_(1, sch.q_send_index, l_home.t())
@@ -418,9 +408,10 @@ def backward(
     of, dof = _flat(out.contiguous()), _flat(dout.contiguous())
     lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
     # one exchange out: K|V rows peers need, and moved rows with their output, output gradient and lse
-    fields = [_kv_rows(sch, kf, vf)] if sch.kv_traffic else []
-    if sch.q_traffic:
-        fields += _moved(sch, qf, of, dof, lse_rows.t())
+    fields = _kv_fields(sch, kf, vf) if sch.kv_traffic else []
+    if sch.q_traffic:  # lse rows are columns of [H_q, rows]: gathered into rows first (small)
+        l_send = lse_rows.t().index_select(0, sch.q_send_index)
+        fields += _moved(sch, qf, of, dof) + [comm.by_splits(l_send, sch.q_send_splits, sch.q_recv_splits)]
     pending = comm.start_exchange(fields, group_name) if fields else None
     n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
     dq = {LOCAL: _Grad(sch.local_rows, (Hq, D), q.dtype, q.device), RECV: _Grad(n_moved, (Hq, D), q.dtype, q.device)}
@@ -452,7 +443,7 @@ def backward(
 
     run(sch.stage_a)
     got = comm.wait_exchange(pending) if pending is not None else []
-    kvs[RECV] = _kv_views(got[0] if sch.kv_traffic else None, kf)
+    kvs[RECV] = (got[0], got[1]) if sch.kv_traffic else (kf[:0], vf[:0])
     if sch.q_traffic:
         q_m, o_m, do_m, l_m = got[-4:]
         saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
@@ -460,10 +451,10 @@ def backward(
     dq_local = dq[LOCAL].result()
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
     # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
-    home = [(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits)] if sch.q_traffic else []
+    home = [comm.by_splits(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits)] if sch.q_traffic else []
     if sch.kv_traffic:
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
-        home.append((partial, sch.kv_recv_splits, sch.kv_send_splits))
+        home.append(comm.by_splits(partial, sch.kv_recv_splits, sch.kv_send_splits))
     back = comm.exchange(home, group_name) if home else []
     if sch.q_traffic:
         dq_local.index_copy_(0, sch.q_send_index, back[0])

@@ -36,6 +36,7 @@ __all__ = [
     "AGREEMENT_WORDS",
     "Exchange",
     "Field",
+    "by_splits",
     "check_agreement",
     "exchange",
     "fingerprint",
@@ -53,9 +54,20 @@ def group_info(group_name: str) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- data exchange
 
-# One field of an exchange: (rows to send, grouped by destination rank in rank order; rows for
-# each peer; rows from each peer). Received rows land grouped by source rank, in rank order.
-Field = tuple[torch.Tensor, Sequence[int], Sequence[int]]
+# One field of an exchange: (rows, what goes to each peer: runs ``(first row of rows, rows)``,
+# what comes from each peer: the row counts of its runs). Every run is sent straight from its
+# rows (no gather into a message; a run several peers need is read once per peer, never copied)
+# and lands in the field's receive buffer grouped by source rank, in rank order, each source's
+# runs in order. A sender's runs to a peer and that peer's counts from it must agree one by one.
+Field = tuple[torch.Tensor, Sequence[Sequence[tuple[int, int]]], Sequence[Sequence[int]]]
+
+
+def by_splits(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> Field:
+    """A field whose rows go out in peer order, ``send_splits[p]`` rows to peer ``p`` (one run
+    each), and ``recv_splits[p]`` rows come from peer ``p``."""
+    at = [0, *accumulate(send_splits)]
+    send = [[(at[p], n)] if n else [] for p, n in enumerate(send_splits)]
+    return x, send, [[n] if n else [] for n in recv_splits]
 
 
 @dataclass
@@ -87,27 +99,30 @@ def _ensure_communicator(group_name: str, pg: dist.ProcessGroup, device: torch.d
 def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     """Issue one AllToAll-V of every field and return at once (:func:`wait_exchange` before
     reading). Every rank of the group passes the same number of fields, in the same order, and
-    field ``f``'s rows for peer ``p`` are what ``p`` expects from this rank in its field ``f``."""
+    field ``f``'s runs for peer ``p`` are what ``p`` expects from this rank in its field ``f``."""
     pg = _compat.resolve_process_group(group_name)
     rank = dist.get_rank(pg)
     ex = Exchange(received=[])
     ops: list[dist.P2POp] = []
     for tag, (x, send, recv) in enumerate(fields):
-        x = x.contiguous()
-        out = x.new_empty((sum(recv), *x.shape[1:]))
+        out = x.new_empty((sum(map(sum, recv)), *x.shape[1:]))
         ex.received.append(out)
-        ex.sent.append(x)
-        s_at, r_at = [0, *accumulate(send)], [0, *accumulate(recv)]
-        for p, (ns, nr) in enumerate(zip(send, recv)):
-            if p == rank:  # rows this rank keeps: a local copy
-                if ns:
-                    out[r_at[p] : r_at[p] + nr].copy_(x[s_at[p] : s_at[p] + ns])
+        at = 0
+        for p, (runs_out, runs_in) in enumerate(zip(send, recv)):
+            if p == rank:  # rows this rank keeps: local copies
+                for (r0, n), m in zip(runs_out, runs_in):
+                    out[at : at + m].copy_(x[r0 : r0 + n])
+                    at += m
                 continue
             peer = dist.get_global_rank(pg, p)
-            if ns:
-                ops.append(dist.P2POp(dist.isend, x[s_at[p] : s_at[p] + ns], peer, pg, tag))
-            if nr:
-                ops.append(dist.P2POp(dist.irecv, out[r_at[p] : r_at[p] + nr], peer, pg, tag))
+            for r0, n in runs_out:
+                block = x[r0 : r0 + n]
+                block = block if block.is_contiguous() else block.contiguous()
+                ex.sent.append(block)
+                ops.append(dist.P2POp(dist.isend, block, peer, pg, tag))
+            for m in runs_in:
+                ops.append(dist.P2POp(dist.irecv, out[at : at + m], peer, pg, tag))
+                at += m
     if fields:
         _ensure_communicator(group_name, pg, fields[0][0].device)
     if ops:

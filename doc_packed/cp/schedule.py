@@ -3,11 +3,12 @@
 Built once per (layout, group, mask) on the host, moved to the device once, reused by every
 layer. The per-layer path (:mod:`.attention`) runs it top to bottom:
 
-1. **Exchange** (asynchronous): K/V rows other ranks' queries need, and the queries the plan
-   moves. Received rows land in two buffers, ``kv`` and ``q``, grouped by source rank and in
-   position order inside each source, so a document's remote keys are one contiguous run (the
-   part from an earlier rank ends that rank's block, the part from a later rank starts its block,
-   and this rank's own block is empty).
+1. **Exchange** (asynchronous, one AllToAll-V): K/V rows other ranks' queries need, and the
+   queries the plan moves, each sent as runs of local rows straight from the local tensors.
+   Received rows land in their field's buffer (K, V, q), grouped by source rank and in position
+   order inside each source, so a document's remote keys are one contiguous run (the part from
+   an earlier rank ends that rank's block, the part from a later rank starts its block, and this
+   rank's own block is empty).
 2. **Stage A**, while the exchange is in flight: this rank's own queries against its own keys,
    on the local tensors in place.
 3. **Stage B**, once the data has landed: queries against received keys, and moved-in queries
@@ -96,6 +97,12 @@ class RankSchedule:
     q_send_index: torch.Tensor
     q_send_splits: list[int]
     q_recv_splits: list[int]
+    # the same exchanges as runs (comm.Field): per peer, the runs of local rows sent straight
+    # from the local tensors ``(first row, rows)``, and the row counts of the runs received
+    kv_send_runs: tuple[tuple[tuple[int, int], ...], ...]
+    kv_recv_runs: tuple[tuple[int, ...], ...]
+    q_send_runs: tuple[tuple[tuple[int, int], ...], ...]
+    q_recv_runs: tuple[tuple[int, ...], ...]
     stage_a: tuple[Call, ...]  # local queries x local keys (overlaps the exchange)
     stage_b: tuple[Call, ...]  # everything that reads a received buffer
     kv_traffic: bool  # does any rank of the group receive K/V (same on every rank)
@@ -254,6 +261,24 @@ def _reduce_runs(runs: list[tuple[int, int]]):
     return tuple(sums), tuple(back), shared, slots, tuple(slot_runs)
 
 
+def _start_len(owner: tuple[int, int]) -> tuple[int, int]:
+    return owner[0], owner[1] - owner[0]
+
+
+def _runs(parts: list[tuple[int, int, int]], start: int, length: int) -> tuple[tuple[int, int], ...]:
+    """The sender's runs of local rows ``(first row, rows)`` for the parts ``(row, s, e)`` it
+    sends one peer, in order, adjacent rows merged: sender and receiver both derive the
+    exchange's runs from the same parts through this, so they agree one by one."""
+    runs: list[tuple[int, int]] = []
+    for b, s, e in parts:
+        r0 = b * length + s - start
+        if runs and sum(runs[-1]) == r0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + e - s)
+        else:
+            runs.append((r0, e - s))
+    return tuple(runs)
+
+
 def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
     c, S = plan.cp_size, plan.seq_len
     cs = chunk_len(S, c)
@@ -270,6 +295,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     kv_send: list[int] = []
     kv_send_splits = [0] * c
     kv_runs: list[tuple[int, int]] = []  # (first local row, rows) in send order
+    kv_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for t in range(c):
         if t != rank:
             for b, s0, e0 in plan.kv_ranges[t]:
@@ -277,6 +303,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                     if o == rank:
                         kv_send.extend(range(local(b, s), local(b, e)))
                         kv_runs.append((local(b, s), e - s))
+                        kv_send_parts[t].append((b, s, e))
                         kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
     recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
@@ -304,19 +331,23 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     # ---- queries: what this rank sends (its rows other ranks compute) and receives
     q_send: list[int] = []
     q_send_splits = [0] * c
+    q_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for t in range(c):
         if t != rank:
             for seg in plan.segments[t]:
                 for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
                     if o == rank:
                         q_send.extend(range(local(seg.batch, s), local(seg.batch, e)))
+                        q_send_parts[t].append((seg.batch, s, e))
                         q_send_splits[t] += e - s
     q_recv_splits = [0] * c
     q_parts: list[tuple[int, int, int, int, int]] = []  # (segment, owner, s, e, recv offset in owner block)
+    q_recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for i, seg in enumerate(plan.segments[rank]):
         for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
             if o != rank:
                 q_parts.append((i, o, s, e, q_recv_splits[o]))
+                q_recv_parts[o].append((seg.batch, s, e))
                 q_recv_splits[o] += e - s
     q_base = [sum(q_recv_splits[:o]) for o in range(c)]
     moved_in = {(i, s): q_base[o] + off for i, o, s, e, off in q_parts}
@@ -369,6 +400,12 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         RECV: torch.zeros(sum(q_recv_splits), dtype=torch.bool),
     }
 
+    def sent(parts: list[list[tuple[int, int, int]]]):
+        return tuple(_runs(ps, my_start, L) for ps in parts)
+
+    def received(parts: list[list[tuple[int, int, int]]]):
+        return tuple(tuple(n for _, n in _runs(ps, *_start_len(owners[o]))) for o, ps in enumerate(parts))
+
     return RankSchedule(
         rank=rank,
         local_rows=plan.batch * L,
@@ -383,6 +420,10 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_send_index=index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
+        kv_send_runs=sent(kv_send_parts),
+        kv_recv_runs=received(recv_parts),
+        q_send_runs=sent(q_send_parts),
+        q_recv_runs=received(q_recv_parts),
         stage_a=tuple(_calls(stage_a, causal, left, right, device, written, span=plan.batch * L)),
         stage_b=tuple(_calls(stage_b, causal, left, right, device, written)),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
