@@ -203,14 +203,15 @@ class _CopyComm:
 
     # the one-exchange-of-several-fields design (comm.start_exchange, fields sent as runs of
     # rows): a field is one stand-in of the rows it receives
+    # (into: the receive buffer the field lands in; the stand-in bytes are copied beside it)
     def start_exchange(self, fields, group):
-        return [self.start(x, None, [sum(r) for r in recv], group) for x, _send, recv in fields]
+        return [(self.start(f.rows, None, _counts(f), group), f.into) for f in fields]
 
     def wait_exchange(self, pending):
-        return [self.wait(x) for x in pending]
+        return [self.wait(x) if into is None else (self.wait(x), into)[1] for x, into in pending]
 
     def exchange(self, fields, group):
-        return [self.all_to_all(x, None, [sum(r) for r in recv], group) for x, _send, recv in fields]
+        return self.wait_exchange([(self.all_to_all(f.rows, None, _counts(f), group), f.into) for f in fields])
 
 
 class _Loopback:
@@ -243,13 +244,26 @@ class _Loopback:
         return got
 
     def exchange(self, fields, group):
-        """One field at a time: each source's runs to this rank, in order (the real rows)."""
+        """One field at a time: each source's runs to this rank, in order (the real rows), put
+        where the field says they land."""
         got = []
-        for x, send, recv in fields:
+        for x, send, recv, into in fields:
             blocks = [torch.cat([x[r0 : r0 + n] for r0, n in runs]) if runs else x[:0] for runs in send]
-            land = self.all_to_all(torch.cat(blocks), [b.shape[0] for b in blocks], [sum(r) for r in recv], group)
-            got.append(land)
+            came = self.all_to_all(torch.cat(blocks), [b.shape[0] for b in blocks], _counts(recv), group)
+            ends = [a + n for runs in recv for a, n in runs]
+            out = into if into is not None else x.new_empty((max(ends, default=0), *x.shape[1:]))
+            at = 0
+            for a, n in (run for runs in recv for run in runs):
+                out[a : a + n] = came[at : at + n]
+                at += n
+            got.append(out)
         return got
+
+
+def _counts(field_or_recv) -> list[int]:
+    """Rows each peer's runs bring (a comm.Field, or its ``recv``)."""
+    recv = getattr(field_or_recv, "recv", field_or_recv)
+    return [sum(n for _, n in runs) for runs in recv]
 
 
 def _install(impl) -> None:

@@ -145,23 +145,41 @@ def _field_runs(src, dst, tag):
 
 def exchange_fields(rank, world):
     """Fields of different dtypes and row shapes in one ``comm.start_exchange``, sent as runs
-    of rows (several per peer, overlapping across peers, kept rows among them) or by splits:
-    each rank returns what landed and what it should be, built from the senders' formula (not
-    from the exchange)."""
+    of rows (several per peer, overlapping across peers, kept rows among them) or by splits,
+    landing consecutively, or at chosen rows of a given buffer whose other rows stay as they
+    were: each rank returns what landed and what it should be, built from the senders' formula
+    (not from the exchange)."""
     from doc_packed.cp import comm
 
     specs = [((2, 3), torch.float64), ((5,), torch.float32), ((), torch.int64), ((4, 2), torch.bfloat16)]
-    fields = []
+    fields, want = [], []
     for tag, (tail, dtype) in enumerate(specs):
         send = [_field_runs(rank, p, tag) for p in range(world)]
-        recv = [[n for _, n in _field_runs(p, rank, tag)] for p in range(world)]
-        fields.append((_field_rows(rank, tag, tail, dtype), send, recv))
-    want = [
-        torch.cat([_field_rows(p, tag, tail, dtype)[r0 : r0 + n] for p in range(world) for r0, n in _field_runs(p, rank, tag)])
-        for tag, (tail, dtype) in enumerate(specs)
-    ]
+        counts = [[n for _, n in _field_runs(p, rank, tag)] for p in range(world)]
+        came = [_field_rows(p, tag, tail, dtype)[r0 : r0 + n] for p in range(world) for r0, n in _field_runs(p, rank, tag)]
+        if tag < 2:  # consecutively, in a new buffer
+            at, recv = 0, []
+            for ns in counts:
+                recv.append([(at + sum(ns[:j]), n) for j, n in enumerate(ns)])
+                at += sum(ns)
+            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype), send, recv))
+            want.append(torch.cat(came))
+        else:  # into a given buffer of -1s, each run one row after the last one's end plus a gap
+            at, lands = 0, []
+            for ns in counts:
+                lands.append([])
+                for n in ns:
+                    lands[-1].append((at + 1, n))
+                    at += n + 2
+            into = torch.full((at + 1, *tail), -1).to(dtype)
+            expect = into.clone()
+            for (a, n), rows in zip((run for runs in lands for run in runs), came):
+                expect[a : a + n] = rows
+            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype), send, lands, into))
+            want.append(expect)
     name = dist.group.WORLD.group_name
     got = comm.wait_exchange(comm.start_exchange(fields, name))
+    assert got[2] is fields[2].into and got[3] is fields[3].into
     # by splits, waited: rank r sends r + p + 1 rows to peer p
     rows = _field_rows(rank, 9, (3,), torch.float32)[: sum(rank + p + 1 for p in range(world))]
     split = comm.exchange([comm.by_splits(rows, [rank + p + 1 for p in range(world)], [p + rank + 1 for p in range(world)])], name)

@@ -62,27 +62,32 @@ RUNS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("case", list(RUNS))
 def test_partials_come_home_summed_once(dtype, case):
-    """dK/dV partials of rows sent to several peers add up to the float64 sum, rounded once."""
+    """dK/dV partials of rows sent to several peers, landed where the schedule puts them, add up
+    to the float64 sum, rounded once."""
     from types import SimpleNamespace
 
     from doc_packed.cp.attention import _add_partials
-    from doc_packed.cp.schedule import _reduce_runs
+    from doc_packed.cp.schedule import _home_grid
 
     runs = RUNS[case]
-    sums, back_runs, shared, slots, slot_runs = _reduce_runs(runs)
+    land, rows_back, gaps, sums, shared = _home_grid(runs)
     assert shared == (case != "disjoint")
-    assert bool(slots) == (case in ("overlapping", "nested prefixes", "same range, not in a row"))
-    sch = SimpleNamespace(kv_back_sums=sums, kv_back_runs=back_runs, kv_slots=slots, kv_slot_runs=slot_runs)
+    # every partial lands in its own rows, the rest of the buffer is exactly the gaps
+    taken = [r for (_, n), at in zip(runs, land) for r in range(at, at + n)]
+    assert sorted(taken + gaps) == list(range(rows_back))
+    assert rows_back == sum(k * n for _, k, _, n in sums) >= sum(n for _, n in runs)
     torch.manual_seed(1)
     rows, H, D = 24, 2, 4
     dk, dv = torch.randn(rows, H, D).to(dtype), torch.randn(rows, H, D).to(dtype)
-    back = torch.randn(sum(n for _, n in runs), 2, H, D).to(dtype)
+    partial = [torch.randn(n, 2, H, D).to(dtype) for _, n in runs]
     want = torch.stack([dk, dv], 1).double()
-    p = 0
-    for r0, n in runs:
-        want[r0 : r0 + n] += back[p : p + n].double()
-        p += n
-    _add_partials(sch, dk, dv, back)
+    for (r0, n), part in zip(runs, partial):
+        want[r0 : r0 + n] += part.double()
+    back = torch.full((rows_back, 2, H, D), float("nan"), dtype=dtype)  # landed runs and zeroed gaps only
+    back[gaps] = 0
+    for at, part in zip(land, partial):
+        back[at : at + part.shape[0]] = part
+    _add_partials(SimpleNamespace(kv_back_sums=sums), dk, dv, back)
     got = torch.stack([dk, dv], 1)
     if dtype == torch.float64:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

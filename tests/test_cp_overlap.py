@@ -13,7 +13,8 @@ def _events(monkeypatch, rank: int, size: int, S: int, lengths):
     pending = set()
 
     def landed(fields):
-        return [torch.randn((sum(map(sum, r)), *x.shape[1:]), dtype=torch.float64).to(x.dtype) for x, _s, r in fields]
+        rows = lambda f: max((a + n for runs in f.recv for a, n in runs), default=0)  # noqa: E731
+        return [torch.randn((rows(f), *f.rows.shape[1:]), dtype=torch.float64).to(f.rows.dtype) if f.into is None else f.into for f in fields]
 
     def start(fields, group):
         ex = comm.Exchange(received=landed(fields))

@@ -53,12 +53,18 @@ def runs_agree(schedules):
             at = 0
             for dst, runs in enumerate(getattr(src, f"{kind}_send_runs")):
                 expected = getattr(schedules[dst], f"{kind}_recv_runs")[src.rank]
-                assert [n for _, n in runs] == list(expected), (kind, src.rank, dst)
+                assert [n for _, n in runs] == [n for _, n in expected], (kind, src.rank, dst)
+                if kind == "kv":  # the partial dK/dV come home run by run, the same runs
+                    assert [n for _, n in src.kv_back_recv[dst]] == [n for _, n in expected]
                 rows = [r for r0, n in runs for r in range(r0, r0 + n)]
                 assert rows == index[at : at + splits[dst]], (kind, src.rank, dst)
                 at += splits[dst]
                 # adjacent runs are merged: one transfer per contiguous block
                 assert all(a + n != b for (a, n), (b, _) in zip(runs, runs[1:])), runs
+    for dst in schedules:  # received runs land one after another, grouped by source rank
+        for kind in ("kv", "q"):
+            lands = [run for runs in getattr(dst, f"{kind}_recv_runs") for run in runs]
+            assert [a for a, _ in lands] == [sum(n for _, n in lands[:i]) for i in range(len(lands))]
 
 
 @pytest.mark.parametrize("causal,window", MASKS)

@@ -176,13 +176,13 @@ def _rows(x: torch.Tensor, a: int, b: int, dim: int = 0) -> torch.Tensor:
 
 def _kv_fields(sch: RankSchedule, kf: torch.Tensor, vf: torch.Tensor) -> list[comm.Field]:
     """The exchange's K and V fields: the runs of local rows peers need, sent where they are."""
-    return [(x, sch.kv_send_runs, sch.kv_recv_runs) for x in (kf, vf)]
+    return [comm.Field(x, sch.kv_send_runs, sch.kv_recv_runs) for x in (kf, vf)]
 
 
 def _moved(sch: RankSchedule, *rows: torch.Tensor) -> list[comm.Field]:
     """One exchange field per tensor of ``rows`` (``[rows, ...]``): the runs of rows the plan
     moves, sent where they are."""
-    return [(x, sch.q_send_runs, sch.q_recv_runs) for x in rows]
+    return [comm.Field(x, sch.q_send_runs, sch.q_recv_runs) for x in rows]
 
 
 # ----------------------------------------------------------------------------- merging
@@ -345,28 +345,16 @@ def forward(
 
 
 def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor) -> None:
-    """Add the partial ``[n, 2, H_kv, D]`` dK|dV that peers sent back to this rank's ``dk``/``dv``
-    (rows ``[B * L, H_kv, D]``), by slices of the schedule's runs. Every row's sum is taken in
-    float32 and rounded to the gradient's dtype once: a row that came back once is one in-place
-    add (computed in float32, rounded once); a row range that came back k times in a row is one
-    float32 sum of its k partials, then one add; rows that came back in overlapping runs are
-    summed in float32 slots first. No index kernels and no float32 copy of the whole message."""
+    """Add the partial dK|dV that peers sent back (``back``: ``[kv_back_rows, 2, H_kv, D]``, laid
+    out by the schedule) to this rank's ``dk``/``dv`` (rows ``[B * L, H_kv, D]``). An interval of
+    rows sent to k peers is one float32 sum over its k block rows (zeroed where a peer's run did
+    not reach), added once: every row's sum is taken in float32 and rounded to the gradient's
+    dtype once, with no float32 copy of the gradient and one pass over the partials."""
     acc = kernels.lse_dtype(dk.dtype)
-    for p, k, r0, n in sch.kv_back_sums:  # add_, not += (which copies the slice onto itself)
-        part = back[p : p + n] if k == 1 else back[p : p + k * n].view(k, n, *back.shape[1:]).sum(0, dtype=acc)
+    for g, k, r0, n in sch.kv_back_sums:  # add_, not += (which copies the slice onto itself)
+        part = back[g : g + n] if k == 1 else back[g : g + k * n].view(k, n, *back.shape[1:]).sum(0, dtype=acc)
         dk[r0 : r0 + n].add_(part[:, 0])
         dv[r0 : r0 + n].add_(part[:, 1])
-    if not sch.kv_slots:
-        return
-    total = torch.empty((sch.kv_slots, 2, *dk.shape[1:]), dtype=acc, device=dk.device)
-    for r0, s0, n in sch.kv_slot_runs:
-        total[s0 : s0 + n, 0] = dk[r0 : r0 + n]
-        total[s0 : s0 + n, 1] = dv[r0 : r0 + n]
-    for p, _, n, s0 in sch.kv_back_runs:
-        total[s0 : s0 + n].add_(back[p : p + n])
-    for r0, s0, n in sch.kv_slot_runs:
-        dk[r0 : r0 + n] = total[s0 : s0 + n, 0]
-        dv[r0 : r0 + n] = total[s0 : s0 + n, 1]
 
 
 def backward(
@@ -452,12 +440,15 @@ def backward(
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
     # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
     home = [comm.by_splits(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits)] if sch.q_traffic else []
-    if sch.kv_traffic:
+    if sch.kv_traffic:  # land in the layout _add_partials sums (cells no partial reaches zeroed)
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
-        home.append(comm.by_splits(partial, sch.kv_recv_splits, sch.kv_send_splits))
-    back = comm.exchange(home, group_name) if home else []
+        grid = partial.new_empty((sch.kv_back_rows, *partial.shape[1:]))
+        if sch.kv_back_gaps.numel():
+            grid.index_fill_(0, sch.kv_back_gaps, 0)
+        home.append(comm.Field(partial, sch.kv_recv_runs, sch.kv_back_recv, grid))
+    landed = comm.exchange(home, group_name) if home else []
     if sch.q_traffic:
-        dq_local.index_copy_(0, sch.q_send_index, back[0])
+        dq_local.index_copy_(0, sch.q_send_index, landed[0])
     if sch.kv_traffic:
-        _add_partials(sch, dk_local, dv_local, back[-1])
+        _add_partials(sch, dk_local, dv_local, landed[-1])
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ __all__ = [
     "AGREEMENT_WORDS",
     "Exchange",
     "Field",
+    "Runs",
     "by_splits",
     "check_agreement",
     "exchange",
@@ -54,20 +55,34 @@ def group_info(group_name: str) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- data exchange
 
-# One field of an exchange: (rows, what goes to each peer: runs ``(first row of rows, rows)``,
-# what comes from each peer: the row counts of its runs). Every run is sent straight from its
-# rows (no gather into a message; a run several peers need is read once per peer, never copied)
-# and lands in the field's receive buffer grouped by source rank, in rank order, each source's
-# runs in order. A sender's runs to a peer and that peer's counts from it must agree one by one.
-Field = tuple[torch.Tensor, Sequence[Sequence[tuple[int, int]]], Sequence[Sequence[int]]]
+Runs = Sequence[Sequence[tuple[int, int]]]  # per peer: runs (first row, rows), in order
+
+
+class Field(NamedTuple):
+    """One field of an exchange.
+
+    ``rows``: what this rank sends from; ``send[p]``: the runs of ``rows`` for peer ``p``, each
+    sent where it lies (no gather into a message; a run several peers need is read once per
+    peer, never copied); ``recv[p]``: where peer ``p``'s runs land in the receive buffer, one
+    ``(first row, rows)`` per run it sends, in order; ``into``: the receive buffer (rows no run
+    lands in keep what they held), or None for a new uninitialised one just long enough. A
+    sender's runs to a peer and that peer's landing runs from it must agree one by one."""
+
+    rows: torch.Tensor
+    send: Runs
+    recv: Runs
+    into: torch.Tensor | None = None
 
 
 def by_splits(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> Field:
     """A field whose rows go out in peer order, ``send_splits[p]`` rows to peer ``p`` (one run
-    each), and ``recv_splits[p]`` rows come from peer ``p``."""
-    at = [0, *accumulate(send_splits)]
-    send = [[(at[p], n)] if n else [] for p, n in enumerate(send_splits)]
-    return x, send, [[n] if n else [] for n in recv_splits]
+    each), and land grouped by source rank, ``recv_splits[p]`` rows from peer ``p``."""
+    return Field(x, _consecutive(send_splits), _consecutive(recv_splits))
+
+
+def _consecutive(splits: Sequence[int]) -> list[list[tuple[int, int]]]:
+    at = [0, *accumulate(splits)]
+    return [[(at[p], n)] if n else [] for p, n in enumerate(splits)]
 
 
 @dataclass
@@ -104,15 +119,14 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     rank = dist.get_rank(pg)
     ex = Exchange(received=[])
     ops: list[dist.P2POp] = []
-    for tag, (x, send, recv) in enumerate(fields):
-        out = x.new_empty((sum(map(sum, recv)), *x.shape[1:]))
-        ex.received.append(out)
-        at = 0
+    for tag, (x, send, recv, into) in enumerate(fields):
+        if into is None:
+            into = x.new_empty((max((r0 + n for runs in recv for r0, n in runs), default=0), *x.shape[1:]))
+        ex.received.append(into)
         for p, (runs_out, runs_in) in enumerate(zip(send, recv)):
             if p == rank:  # rows this rank keeps: local copies
-                for (r0, n), m in zip(runs_out, runs_in):
-                    out[at : at + m].copy_(x[r0 : r0 + n])
-                    at += m
+                for (r0, n), (t0, m) in zip(runs_out, runs_in):
+                    into[t0 : t0 + m].copy_(x[r0 : r0 + n])
                 continue
             peer = dist.get_global_rank(pg, p)
             for r0, n in runs_out:
@@ -120,11 +134,10 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
                 block = block if block.is_contiguous() else block.contiguous()
                 ex.sent.append(block)
                 ops.append(dist.P2POp(dist.isend, block, peer, pg, tag))
-            for m in runs_in:
-                ops.append(dist.P2POp(dist.irecv, out[at : at + m], peer, pg, tag))
-                at += m
+            for t0, m in runs_in:
+                ops.append(dist.P2POp(dist.irecv, into[t0 : t0 + m], peer, pg, tag))
     if fields:
-        _ensure_communicator(group_name, pg, fields[0][0].device)
+        _ensure_communicator(group_name, pg, fields[0].rows.device)
     if ops:
         ex.works = dist.batch_isend_irecv(ops)
     return ex

@@ -79,30 +79,32 @@ class RankSchedule:
     kv_send_index: torch.Tensor
     kv_send_splits: list[int]
     kv_recv_splits: list[int]
-    # partial dK/dV of the rows sent come back in the send order and are added to the local
-    # gradient by slices, no index ops, each row's sum taken in float32 and rounded once.
-    # kv_back_sums (offset in the message, copies k, first local row, rows): rows sent k times
-    # whose k partials lie back to back in the message, summed by one float32 reduction and
-    # added once (k = 1: one add). Rows sent to several peers otherwise (overlapping runs) are
-    # summed in float32 slots: kv_back_runs (offset in the message, first local row, rows, first
-    # slot), kv_slot_runs (first local row, first slot, rows), kv_slots in all. kv_shared: some
-    # row was sent to several peers.
+    # partial dK/dV of the rows sent come home run by run (the runs of kv_send_runs, peer by
+    # peer) into a buffer of kv_back_rows rows laid out for summing: rows sent to one peer only
+    # land as they are; an interval of rows sent to k peers (overlapping runs) lands as a
+    # [k, interval] grid, each run in its own grid row at its offset, the cells no run covers
+    # (kv_back_gaps, device rows) zeroed before the exchange. kv_back_sums (first buffer row, k,
+    # first local row, rows): one float32 sum over the k grid rows (k = 1: the run as it is),
+    # added once, so every row's sum is taken in float32 and rounded once. kv_back_recv: where
+    # each peer's runs land (first buffer row, rows). kv_shared: some row was sent to several
+    # peers.
     kv_back_sums: tuple[tuple[int, int, int, int], ...]
-    kv_back_runs: tuple[tuple[int, int, int, int], ...]
+    kv_back_recv: tuple[tuple[tuple[int, int], ...], ...]
+    kv_back_rows: int
+    kv_back_gaps: torch.Tensor
     kv_shared: bool
-    kv_slots: int
-    kv_slot_runs: tuple[tuple[int, int, int], ...]
     # query exchange (only when the plan moves queries): send q_send_index; the same rows come
     # back (output, lse, dq) in the reverse direction
     q_send_index: torch.Tensor
     q_send_splits: list[int]
     q_recv_splits: list[int]
     # the same exchanges as runs (comm.Field): per peer, the runs of local rows sent straight
-    # from the local tensors ``(first row, rows)``, and the row counts of the runs received
+    # from the local tensors, and where the runs received from it land in the receive buffer
+    # (grouped by source rank, in order), each as (first row, rows)
     kv_send_runs: tuple[tuple[tuple[int, int], ...], ...]
-    kv_recv_runs: tuple[tuple[int, ...], ...]
+    kv_recv_runs: tuple[tuple[tuple[int, int], ...], ...]
     q_send_runs: tuple[tuple[tuple[int, int], ...], ...]
-    q_recv_runs: tuple[tuple[int, ...], ...]
+    q_recv_runs: tuple[tuple[tuple[int, int], ...], ...]
     stage_a: tuple[Call, ...]  # local queries x local keys (overlaps the exchange)
     stage_b: tuple[Call, ...]  # everything that reads a received buffer
     kv_traffic: bool  # does any rank of the group receive K/V (same on every rank)
@@ -226,13 +228,14 @@ def _calls(
     return out
 
 
-def _reduce_runs(runs: list[tuple[int, int]]):
-    """How the partial dK/dV of the sent runs ``(first row, rows)`` come home (RankSchedule's
-    ``kv_back_sums``, ``kv_back_runs``, ``kv_shared``, ``kv_slots``, ``kv_slot_runs``).
+def _home_grid(runs: list[tuple[int, int]]):
+    """Where the partial dK/dV of the sent ``runs`` ``(first local row, rows)`` land when they
+    come home (in this order), and how they are summed (RankSchedule's ``kv_back_*``).
 
-    Overlapping runs form one interval. An interval whose runs all are exactly it and lie back
-    to back in the message (one row range sent to k peers in a row) becomes one sum; the others
-    are laid out as float32 slots, with the runs' message offsets and slots."""
+    Overlapping runs form one interval of L rows; its k runs land in a [k, L] block, run j in
+    block row j at its offset in the interval, so the interval's sum is one reduction over k.
+    Returns (landing row of each run, rows in all, gap rows (cells no run covers), sums
+    ``(first row, k, first local row, L)``, shared)."""
     merged: list[list[int]] = []  # disjoint sorted [start, end) of every row sent
     for r0, n in sorted(runs):
         if merged and r0 < merged[-1][1]:
@@ -240,25 +243,25 @@ def _reduce_runs(runs: list[tuple[int, int]]):
         else:
             merged.append([r0, r0 + n])
     starts = [a for a, _ in merged]
-    cover: list[list[tuple[int, int, int]]] = [[] for _ in merged]  # (offset, first row, rows) per interval
-    pos = 0
-    for r0, n in runs:
-        cover[bisect_right(starts, r0) - 1].append((pos, r0, n))
-        pos += n
+    members: list[list[int]] = [[] for _ in merged]  # indices of the runs in each interval
+    for i, (r0, _) in enumerate(runs):
+        members[bisect_right(starts, r0) - 1].append(i)
+    land = [0] * len(runs)
+    gaps: list[int] = []
     sums: list[tuple[int, int, int, int]] = []
-    back: list[tuple[int, int, int, int]] = []
-    slot_runs: list[tuple[int, int, int]] = []
-    slots = 0
-    for (a, e), runs_in in zip(merged, cover):
-        p0 = runs_in[0][0]
-        if all(r0 == a and n == e - a and p == p0 + i * n for i, (p, r0, n) in enumerate(runs_in)):
-            sums.append((p0, len(runs_in), a, e - a))
-        else:
-            back.extend((p, r0, n, slots + r0 - a) for p, r0, n in runs_in)
-            slot_runs.append((a, slots, e - a))
-            slots += e - a
-    shared = sum(e - a for a, e in merged) < pos
-    return tuple(sums), tuple(back), shared, slots, tuple(slot_runs)
+    at = 0
+    for (a, e), idx in zip(merged, members):
+        width = e - a
+        for j, i in enumerate(idx):
+            r0, n = runs[i]
+            row = at + j * width
+            land[i] = row + r0 - a
+            gaps.extend(range(row, land[i]))
+            gaps.extend(range(land[i] + n, row + width))
+        sums.append((at, len(idx), a, width))
+        at += len(idx) * width
+    shared = sum(e - a for a, e in merged) < sum(n for _, n in runs)
+    return land, at, gaps, tuple(sums), shared
 
 
 def _start_len(owner: tuple[int, int]) -> tuple[int, int]:
@@ -294,7 +297,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
     kv_send: list[int] = []
     kv_send_splits = [0] * c
-    kv_runs: list[tuple[int, int]] = []  # (first local row, rows) in send order
     kv_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for t in range(c):
         if t != rank:
@@ -302,7 +304,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                 for o, s, e in _parts(b, s0, e0, cs, S):
                     if o == rank:
                         kv_send.extend(range(local(b, s), local(b, e)))
-                        kv_runs.append((local(b, s), e - s))
                         kv_send_parts[t].append((b, s, e))
                         kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
@@ -393,7 +394,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     def index(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(device)
 
-    back_sums, back_runs, shared, slots, slot_runs = _reduce_runs(kv_runs)
     # rows of each query buffer that a call computed so far (host; sets each call's ``merge``)
     written = {
         LOCAL: torch.zeros(plan.batch * L, dtype=torch.bool),
@@ -404,7 +404,21 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return tuple(_runs(ps, my_start, L) for ps in parts)
 
     def received(parts: list[list[tuple[int, int, int]]]):
-        return tuple(tuple(n for _, n in _runs(ps, *_start_len(owners[o]))) for o, ps in enumerate(parts))
+        """Where each source's runs land: grouped by source rank, in order."""
+        out, at = [], 0
+        for o, ps in enumerate(parts):
+            lands = []
+            for _, n in _runs(ps, *_start_len(owners[o])):
+                lands.append((at, n))
+                at += n
+            out.append(tuple(lands))
+        return tuple(out)
+
+    kv_send_runs = sent(kv_send_parts)
+    flat = [run for runs in kv_send_runs for run in runs]  # the order they come home in
+    land, back_rows, gaps, back_sums, shared = _home_grid(flat)
+    lands = iter(zip(land, (n for _, n in flat)))
+    kv_back_recv = tuple(tuple(next(lands) for _ in runs) for runs in kv_send_runs)
 
     return RankSchedule(
         rank=rank,
@@ -413,14 +427,14 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_send_splits=kv_send_splits,
         kv_recv_splits=kv_recv_splits,
         kv_back_sums=back_sums,
-        kv_back_runs=back_runs,
+        kv_back_recv=kv_back_recv,
+        kv_back_rows=back_rows,
+        kv_back_gaps=index(gaps),
         kv_shared=shared,
-        kv_slots=slots,
-        kv_slot_runs=slot_runs,
         q_send_index=index(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
-        kv_send_runs=sent(kv_send_parts),
+        kv_send_runs=kv_send_runs,
         kv_recv_runs=received(recv_parts),
         q_send_runs=sent(q_send_parts),
         q_recv_runs=received(q_recv_parts),
