@@ -185,6 +185,13 @@ def _moved(sch: RankSchedule, *rows: torch.Tensor) -> list[comm.Field]:
     return [comm.Field(x, sch.q_send_runs, sch.q_recv_runs) for x in rows]
 
 
+def _home(sch: RankSchedule, moved_in: torch.Tensor, into: torch.Tensor) -> comm.Field:
+    """The field that takes rows computed for moved-in queries (``moved_in``, in the order they
+    came) home, straight into their owners' rows of ``into`` (where the owners sent them from;
+    contiguous: transfers land in row ranges)."""
+    return comm.Field(moved_in, sch.q_recv_runs, sch.q_send_runs, into)
+
+
 # ----------------------------------------------------------------------------- merging
 
 
@@ -333,11 +340,14 @@ def forward(
     _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
     out, lse = rows[LOCAL].result()
     if sch.q_traffic:  # moved-in rows' output and lse go home, in one exchange
+        out = out.contiguous()  # (a kernel's output, as a rule already)
         o_moved, l_moved = rows[RECV].result()
-        home = [comm.by_splits(x, sch.q_recv_splits, sch.q_send_splits) for x in (o_moved, l_moved.t().contiguous())]
-        o_home, l_home = comm.exchange(home, group_name)
-        out.index_copy_(0, sch.q_send_index, o_home)
-        lse.index_copy_(1, sch.q_send_index, l_home.t())
+        home = [
+            _home(sch, o_moved, into=out),  # lands in the owners' output rows
+            comm.by_splits(l_moved.t().contiguous(), sch.q_recv_splits, sch.q_send_splits),
+        ]
+        _, l_home = comm.exchange(home, group_name)
+        lse.index_copy_(1, sch.q_send_index, l_home.t())  # lse rows are columns: one small copy
     return out.reshape(B, L, Hq, D).contiguous(), lse.reshape(Hq, B, L).transpose(0, 1).contiguous()
 
 
@@ -436,10 +446,10 @@ def backward(
         q_m, o_m, do_m, l_m = got[-4:]
         saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
     run(sch.stage_b)
-    dq_local = dq[LOCAL].result()
+    dq_local = dq[LOCAL].result().contiguous()  # (a kernel's output, as a rule already)
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
     # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
-    home = [comm.by_splits(dq[RECV].result(), sch.q_recv_splits, sch.q_send_splits)] if sch.q_traffic else []
+    home = [_home(sch, dq[RECV].result(), into=dq_local)] if sch.q_traffic else []  # lands in dQ's rows
     if sch.kv_traffic:  # land in the layout _add_partials sums (cells no partial reaches zeroed)
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
         grid = partial.new_empty((sch.kv_back_rows, *partial.shape[1:]))
@@ -447,8 +457,6 @@ def backward(
             grid.index_fill_(0, sch.kv_back_gaps, 0)
         home.append(comm.Field(partial, sch.kv_recv_runs, sch.kv_back_recv, grid))
     landed = comm.exchange(home, group_name) if home else []
-    if sch.q_traffic:
-        dq_local.index_copy_(0, sch.q_send_index, landed[0])
     if sch.kv_traffic:
         _add_partials(sch, dk_local, dv_local, landed[-1])
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)

@@ -122,6 +122,8 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     for tag, (x, send, recv, into) in enumerate(fields):
         if into is None:
             into = x.new_empty((max((r0 + n for runs in recv for r0, n in runs), default=0), *x.shape[1:]))
+        elif not into.is_contiguous():
+            raise ValueError(f"field {tag} of the exchange lands in a non-contiguous buffer (strides {into.stride()})")
         ex.received.append(into)
         for p, (runs_out, runs_in) in enumerate(zip(send, recv)):
             if p == rank:  # rows this rank keeps: local copies
