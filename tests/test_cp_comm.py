@@ -15,3 +15,24 @@ def test_exchange_lands_every_field_from_every_peer(run_ranks, world):
             assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
             assert torch.equal(g, w)
         assert torch.equal(split[0], want_split)
+
+
+def test_device_communicator_made_once_per_group(monkeypatch):
+    """Before its first exchange on a group, a device rank makes the group's communicator with
+    one collective that every rank joins (NCCL creates it lazily, and a batch of transfers that
+    leaves a rank out would hang it); once per group and device type, again for a new group
+    under the same name; never for CPU tensors."""
+    from doc_packed.cp import comm
+
+    calls = []
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group: calls.append((t.device.type, group)))
+    monkeypatch.setattr(comm, "_warm", {})
+    pg_a, pg_b = object(), object()
+    meta = torch.device("meta")  # a non-CPU device on a CPU-only machine
+    comm._ensure_communicator("g", pg_a, torch.device("cpu"))
+    assert calls == []
+    comm._ensure_communicator("g", pg_a, meta)
+    comm._ensure_communicator("g", pg_a, meta)
+    assert calls == [("meta", pg_a)]
+    comm._ensure_communicator("g", pg_b, meta)  # the name now resolves to another group
+    assert calls == [("meta", pg_a), ("meta", pg_b)]
