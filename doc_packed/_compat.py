@@ -19,9 +19,6 @@ __all__ = [
     "CHECKED_TORCH",
     "MIN_TORCH",
     "PrivateAPIError",
-    "all_gather_into_tensor",
-    "all_to_all_single",
-    "all_to_all_single_async",
     "apply_kernel_options",
     "compile_fx",
     "create_fw_bw_graph",
@@ -36,7 +33,6 @@ __all__ = [
     "resolve_process_group",
     "tensor_version",
     "varlen_attn_ops",
-    "wait_tensor",
 ]
 
 MIN_TORCH = (2, 11)
@@ -82,41 +78,6 @@ def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
 def default_store() -> torch.distributed.Store:
     """The store ``init_process_group`` made (context parallelism's gloo companion groups)."""
     return private("torch.distributed.distributed_c10d", "_get_default_store")()
-
-
-def _c10d_functional(name: str):
-    try:
-        return getattr(torch.ops._c10d_functional, name)
-    except (AttributeError, RuntimeError) as err:
-        raise PrivateAPIError(
-            f"doc_packed uses torch.ops._c10d_functional.{name}, checked on torch "
-            f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err})"
-        ) from err
-
-
-def all_to_all_single(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str) -> torch.Tensor:
-    """AllToAll-V along dim 0, waited (traceable: the functional collective ops)."""
-    out = _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
-    return _c10d_functional("wait_tensor")(out)
-
-
-def all_to_all_single_async(
-    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group_name: str
-) -> torch.Tensor:
-    """AllToAll-V along dim 0, issued and not waited: pass the result to :func:`wait_tensor`
-    before reading it (eager: the transfer runs while the caller computes)."""
-    return _c10d_functional("all_to_all_single")(x, recv_splits, send_splits, group_name)
-
-
-def wait_tensor(x: torch.Tensor) -> torch.Tensor:
-    """Wait for a functional collective's result."""
-    return _c10d_functional("wait_tensor")(x)
-
-
-def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """All-gather along dim 0, waited."""
-    out = _c10d_functional("all_gather_into_tensor")(x, group_size, group_name)
-    return _c10d_functional("wait_tensor")(out)
 
 
 # ----------------------------------------------------------------------------- tensors and ops

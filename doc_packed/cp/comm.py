@@ -1,9 +1,9 @@
 """Communication primitives of the context-parallel exchange.
 
 - :func:`start_exchange` / :func:`wait_exchange` (and :func:`exchange`, waited): one AllToAll-V
-  of several fields at once (e.g. K|V rows and moved query rows), each with its own per-peer
-  row counts and landing in its own contiguous receive buffer, so nothing is packed into a
-  message or cut out of one. It is one grouped batch of point-to-point transfers
+  of several fields at once (e.g. K rows, V rows and moved query rows), each sent as runs of
+  rows where they lie and landing in its own receive buffer where the caller says, so nothing
+  is gathered into a message or cut out of one. It is one grouped batch of point-to-point transfers
   (``torch.distributed.batch_isend_irecv``: on NCCL one ``ncclGroupStart``/``ncclGroupEnd``,
   what ``all_to_all_single`` issues too), started so that compute runs while it is in flight.
 - :func:`check_agreement`: one small all-gather per context-parallel call proving every rank
