@@ -208,7 +208,11 @@ class _CopyComm:
         return [(self.start(f.rows, None, _counts(f), group), f.into) for f in fields]
 
     def wait_exchange(self, pending):
-        return [self.wait(x) if into is None else (self.wait(x), into)[1] for x, into in pending]
+        landed = []
+        for x, into in pending:
+            x = self.wait(x)
+            landed.append(x if into is None else into)
+        return landed
 
     def exchange(self, fields, group):
         return self.wait_exchange([(self.all_to_all(f.rows, None, _counts(f), group), f.into) for f in fields])
@@ -247,11 +251,11 @@ class _Loopback:
         """One field at a time: each source's runs to this rank, in order (the real rows), put
         where the field says they land."""
         got = []
-        for x, send, recv, into in fields:
+        for f in fields:
+            x, send, recv = f.rows, f.send, f.recv
             blocks = [torch.cat([x[r0 : r0 + n] for r0, n in runs]) if runs else x[:0] for runs in send]
             came = self.all_to_all(torch.cat(blocks), [b.shape[0] for b in blocks], _counts(recv), group)
-            ends = [a + n for runs in recv for a, n in runs]
-            out = into if into is not None else x.new_empty((max(ends, default=0), *x.shape[1:]))
+            out = comm.receive_buffer(f)
             at = 0
             for a, n in (run for runs in recv for run in runs):
                 out[a : a + n] = came[at : at + n]

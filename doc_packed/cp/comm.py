@@ -42,6 +42,7 @@ __all__ = [
     "exchange",
     "fingerprint",
     "group_info",
+    "receive_buffer",
     "start_exchange",
     "wait_exchange",
 ]
@@ -78,6 +79,14 @@ def by_splits(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence
     """A field whose rows go out in peer order, ``send_splits[p]`` rows to peer ``p`` (one run
     each), and land grouped by source rank, ``recv_splits[p]`` rows from peer ``p``."""
     return Field(x, _consecutive(send_splits), _consecutive(recv_splits))
+
+
+def receive_buffer(f: Field) -> torch.Tensor:
+    """The buffer ``f`` lands in: its ``into``, or a new uninitialised one just long enough."""
+    if f.into is not None:
+        return f.into
+    rows = max((r0 + n for runs in f.recv for r0, n in runs), default=0)
+    return f.rows.new_empty((rows, *f.rows.shape[1:]))
 
 
 def _consecutive(splits: Sequence[int]) -> list[list[tuple[int, int]]]:
@@ -119,10 +128,9 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     rank = dist.get_rank(pg)
     ex = Exchange(received=[])
     ops: list[dist.P2POp] = []
-    for tag, (x, send, recv, into) in enumerate(fields):
-        if into is None:
-            into = x.new_empty((max((r0 + n for runs in recv for r0, n in runs), default=0), *x.shape[1:]))
-        elif not into.is_contiguous():
+    for tag, f in enumerate(fields):
+        x, send, recv, into = f.rows, f.send, f.recv, receive_buffer(f)
+        if not into.is_contiguous():
             raise ValueError(f"field {tag} of the exchange lands in a non-contiguous buffer (strides {into.stride()})")
         ex.received.append(into)
         for p, (runs_out, runs_in) in enumerate(zip(send, recv)):

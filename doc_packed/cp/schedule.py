@@ -263,10 +263,6 @@ def _home_grid(runs: list[tuple[int, int]]):
     return land, at, gaps, tuple(sums), shared
 
 
-def _start_len(owner: tuple[int, int]) -> tuple[int, int]:
-    return owner[0], owner[1] - owner[0]
-
-
 def _runs(parts: list[tuple[int, int, int]], start: int, length: int) -> tuple[tuple[int, int], ...]:
     """The sender's runs of local rows ``(first row, rows)`` for the parts ``(row, s, e)`` it
     sends one peer, in order, adjacent rows merged: sender and receiver both derive the
@@ -327,7 +323,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return r0 + s - rs
 
     # ---- queries: what this rank sends (its rows other ranks compute) and receives
-    q_send: list[int] = []
     q_send_splits = [0] * c
     q_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for t in range(c):
@@ -335,7 +330,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
             for seg in plan.segments[t]:
                 for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
                     if o == rank:
-                        q_send.extend(range(local(seg.batch, s), local(seg.batch, e)))
                         q_send_parts[t].append((seg.batch, s, e))
                         q_send_splits[t] += e - s
     q_recv_splits = [0] * c
@@ -405,13 +399,15 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         out, at = [], 0
         for o, ps in enumerate(parts):
             lands = []
-            for _, n in _runs(ps, *_start_len(owners[o])):
+            start, end = owners[o]
+            for _, n in _runs(ps, start, end - start):
                 lands.append((at, n))
                 at += n
             out.append(tuple(lands))
         return tuple(out)
 
-    kv_send_runs = sent(kv_send_parts)
+    kv_send_runs, q_send_runs = sent(kv_send_parts), sent(q_send_parts)
+    q_send = [r for runs in q_send_runs for r0, n in runs for r in range(r0, r0 + n)]
     flat = [run for runs in kv_send_runs for run in runs]  # the order they come home in
     land, back_rows, gaps, back_sums, shared = _home_grid(flat)
     lands = iter(zip(land, (n for _, n in flat)))
@@ -432,7 +428,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_recv_splits=q_recv_splits,
         kv_send_runs=kv_send_runs,
         kv_recv_runs=received(recv_parts),
-        q_send_runs=sent(q_send_parts),
+        q_send_runs=q_send_runs,
         q_recv_runs=received(q_recv_parts),
         stage_a=tuple(_calls(stage_a, causal, left, right, device, written, span=plan.batch * L)),
         stage_b=tuple(_calls(stage_b, causal, left, right, device, written)),
