@@ -129,6 +129,19 @@ def compiled_cp(rank, world):
     return errors
 
 
+def _lazy_group():
+    """A new group of every rank that no collective has run on yet. A group inherits the default
+    group's bound device, and with it an eager NCCL communicator: unbind it for the call, so the
+    group is made as under a user's ``init_process_group`` without ``device_id``."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = default.bound_device_id
+    default.bound_device_id = None
+    try:
+        return dist.new_group()
+    finally:
+        default.bound_device_id = bound
+
+
 def _field_rows(src, tag, tail, dtype, n=12):
     """Rank ``src``'s rows of field ``tag``: values that name the sender, field and row."""
     base = torch.arange(n, dtype=torch.float64).reshape(n, *([1] * len(tail)))
@@ -143,13 +156,18 @@ def _field_runs(src, dst, tag):
     return [] if k == 0 else [(dst, k)] if k < 3 else [(2 * dst, 1), (7 + dst % 3, k - 1)]
 
 
-def exchange_fields(rank, world):
+def exchange_fields(rank, world, new_group=False):
     """Fields of different dtypes and row shapes in one ``comm.start_exchange``, sent as runs
     of rows (several per peer, overlapping across peers, kept rows among them) or by splits,
     landing consecutively, or at chosen rows of a given buffer whose other rows stay as they
-    were: each rank returns what landed and what it should be, built from the senders' formula
-    (not from the exchange)."""
+    were: each rank returns what landed and what it should be (on the CPU), built from the
+    senders' formula (not from the exchange). The fields live on the rank's device
+    (``dist_utils.DEVICE``); ``new_group``: exchange over a group made here, whose NCCL
+    communicator nothing has created yet (the exchange's warm-up must)."""
+    import dist_utils
     from doc_packed.cp import comm
+
+    dev = dist_utils.DEVICE
 
     specs = [((2, 3), torch.float64), ((5,), torch.float32), ((), torch.int64), ((4, 2), torch.bfloat16)]
     fields, want = [], []
@@ -162,7 +180,7 @@ def exchange_fields(rank, world):
             for ns in counts:
                 recv.append([(at + sum(ns[:j]), n) for j, n in enumerate(ns)])
                 at += sum(ns)
-            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype), send, recv))
+            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype).to(dev), send, recv))
             want.append(torch.cat(came))
         else:  # into a given buffer of -1s, each run one row after the last one's end plus a gap
             at, lands = 0, []
@@ -175,14 +193,15 @@ def exchange_fields(rank, world):
             expect = into.clone()
             for (a, n), rows in zip((run for runs in lands for run in runs), came):
                 expect[a : a + n] = rows
-            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype), send, lands, into))
+            fields.append(comm.Field(_field_rows(rank, tag, tail, dtype).to(dev), send, lands, into.to(dev)))
             want.append(expect)
-    name = dist.group.WORLD.group_name
+    name = (_lazy_group() if new_group else dist.group.WORLD).group_name
     got = comm.wait_exchange(comm.start_exchange(fields, name))
     assert got[2] is fields[2].into and got[3] is fields[3].into
     # by splits, waited: rank r sends r + p + 1 rows to peer p
-    rows = _field_rows(rank, 9, (3,), torch.float32)[: sum(rank + p + 1 for p in range(world))]
+    rows = _field_rows(rank, 9, (3,), torch.float32)[: sum(rank + p + 1 for p in range(world))].to(dev)
     split = comm.exchange([comm.by_splits(rows, [rank + p + 1 for p in range(world)], [p + rank + 1 for p in range(world)])], name)
     at = lambda p: sum(p + q + 1 for q in range(rank))  # noqa: E731  (where p's rows for this rank start)
     want_split = torch.cat([_field_rows(p, 9, (3,), torch.float32)[at(p) : at(p) + p + rank + 1] for p in range(world)])
-    return got, want, split, want_split, comm.exchange([], name)
+    got = [g.cpu() for g in got]
+    return got, want, [t.cpu() for t in split], want_split, comm.exchange([], name)

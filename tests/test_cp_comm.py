@@ -3,18 +3,41 @@ AllToAll-V, sent as runs of rows, each landing whole in its own buffer."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cp_cases import exchange_fields
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_exchange_lands_every_field_from_every_peer(run_ranks, world):
-    for got, want, split, want_split, empty in run_ranks(exchange_fields, world):
+def _check_landed(results):
+    for got, want, split, want_split, empty in results:
         assert len(got) == len(want) == 4 and empty == []
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
             assert torch.equal(g, w)
         assert torch.equal(split[0], want_split)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_lands_every_field_from_every_peer(run_ranks, world):
+    _check_landed(run_ranks(exchange_fields, world))
+
+
+def _no_nccl_pair() -> str | None:
+    if not dist.is_nccl_available():
+        return "needs torch.distributed with NCCL"
+    if torch.cuda.device_count() < 2:
+        return f"needs 2 CUDA devices (one per NCCL rank), found {torch.cuda.device_count()}"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_nccl_pair() is not None, reason=_no_nccl_pair() or "")
+@pytest.mark.parametrize("new_group", [False, True], ids=["default-group", "lazy-group"])
+def test_exchange_on_nccl(run_ranks, new_group):
+    """The same fields between 2 NCCL ranks on their GPUs, as one batch of point-to-point
+    transfers: on the default group, and on a group no collective has created a communicator
+    for (the exchange's one-time warm-up makes it)."""
+    _check_landed(run_ranks(exchange_fields, 2, new_group, backend="nccl"))
 
 
 def test_device_communicator_made_once_per_group(monkeypatch):
