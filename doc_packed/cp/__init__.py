@@ -1,9 +1,11 @@
 """Context parallelism for document-packed attention (MagiAttention-style, zero redundancy).
 
 - :mod:`.plan`: the load-balanced, locality-aware plan (host, once per layout).
-- :mod:`.exchange`: per-rank index maps and split sizes derived from a plan (cached on device).
-- :mod:`.comm`: the AllToAll-V primitives (GroupCast / GroupReduce).
+- :mod:`.schedule`: one rank's exchange runs and kernel calls for a plan (built once, cached on device).
+- :mod:`.lse_merge`: folding two partial results of the same query rows by log-sum-exp.
+- :mod:`.comm`: the exchange: several fields sent as runs of rows in one AllToAll-V.
 - :mod:`.attention`: forward and backward over a process group.
+- :mod:`.max_logits`: the largest visible logit of a context-parallel call (diagnostic).
 """
 
 from .plan import ContextParallelPlan, plan_context_parallel

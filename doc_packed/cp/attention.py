@@ -26,6 +26,7 @@ from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
 from .plan import build_plan, owner_range
+from .lse_merge import merge_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 
 __all__ = ["backward", "forward", "get_schedule", "reject"]
@@ -228,21 +229,13 @@ class _Rows:
         if not call.merge:
             self._put(sl, rows, o_new, l_new)
             return
-        # few ops on purpose: a context-parallel rank is host-bound at CP >= 4 (section 9 of
-        # docs/benchmarks.md), and each op here costs a launch. On a slice the merge writes into
-        # the result buffers in place (out=); on indexed rows into copies, put back after.
+        # on a slice the merge writes into the result buffers in place; on indexed rows into
+        # copies, put back after
         l_old = self.lse[:, sl] if rows is None else self.lse.index_select(1, rows)
         o_old = self.out[sl] if rows is None else self.out.index_select(0, rows)
-        both = torch.stack([l_old, l_new])  # before l_old is overwritten
-        lse = torch.logaddexp(l_old, l_new, out=l_old)  # -inf where neither saw a key; NaN stays NaN
-        # each side's weight exp(l - lse), as [2, n, H, 1]; 0 on rows that saw no key at all
-        # (lse -inf: subtracting 0 instead keeps exp(-inf) = 0; NaN and +inf stay)
-        lse_or_0 = lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0)
-        w = torch.exp(both - lse_or_0).transpose(1, 2)[..., None]
-        # o_new * w_new + o_old * w_old in the lse dtype (type promotion), rounded once into out
-        torch.addcmul(o_new * w[1], o_old, w[0], out=o_old)
+        merge_(o_old, l_old, o_new, l_new)
         if rows is not None:
-            self._put(sl, rows, o_old, lse)
+            self._put(sl, rows, o_old, l_old)
 
     def _put(self, sl: slice, rows: torch.Tensor | None, o: torch.Tensor, l: torch.Tensor) -> None:
         assert self.out is not None and self.lse is not None

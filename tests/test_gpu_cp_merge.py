@@ -1,0 +1,78 @@
+"""The context-parallel lse merge on CUDA (skipped without a GPU): the Triton kernel and the
+torch ops it replaces, both against the float64 merge, on strided buffers and the rows a merge
+must leave alone (no key on either side, NaN, +inf)."""
+
+import pytest
+import torch
+
+from doc_packed.cp import lse_merge
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-23}
+
+
+def _case(dtype, n, H, D, strided):
+    """Two sides of ``n`` rows; with ``strided`` each lives in a slice of a larger buffer (rows
+    of ``[N, H, D]``, columns of ``[H, N]``), as the result buffers' slices do."""
+    g = torch.Generator().manual_seed(n + D)
+    o = [torch.randn(n, H, D, generator=g) for _ in range(2)]
+    lse = [torch.randn(H, n, generator=g, dtype=torch.float64) * 4 for _ in range(2)]
+    for x, l in zip(o, lse):
+        x[5], l[:, 5] = 0, -float("inf")  # row 5: neither side saw a key
+    o[0][7], lse[0][:, 7] = 0, -float("inf")  # row 7: only the second side did
+    o[1][9], lse[1][:, 9] = 0, -float("inf")  # row 9: only the first
+    lse[1][2, 11] = float("nan")  # row 11, head 2: NaN stays
+    lse[0][1, 13] = float("inf")  # row 13, head 1: +inf stays (NaN out, as the torch ops give)
+    lse[0][:, 15] = lse[1][:, 15] = 3.0  # equal lse: log 2 above
+    o = [x.to(dtype).double() for x in o]  # the reference merges the inputs as the kernel reads them
+    lse = [l.float().double() for l in lse]
+    ref_lse = torch.logaddexp(*lse)
+    base = ref_lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0)
+    w = [torch.exp(l - base).t()[..., None] for l in lse]
+    ref_out = o[0] * w[0] + o[1] * w[1]
+    acc = torch.float32
+
+    def put(t, rows_dim):
+        if not strided:
+            return t.cuda()
+        shape = list(t.shape)
+        shape[rows_dim] += 6
+        big = torch.full(shape, 7.0, dtype=t.dtype, device="cuda")
+        view = big.narrow(rows_dim, 3, n)
+        view.copy_(t)
+        return view
+
+    sides = [(put(x.to(dtype), 0), put(l.to(acc), 1)) for x, l in zip(o, lse)]
+    return sides, ref_out, ref_lse
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    out, lse = out.double().cpu(), lse.double().cpu()
+    finite = torch.isfinite(ref_out)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out))
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()) and torch.equal(lse.isposinf(), ref_lse.isposinf())
+    assert (out[5] == 0).all() and lse[:, 5].isneginf().all()
+    ok = torch.isfinite(ref_lse)
+    assert (lse[ok] - ref_lse[ok]).abs().max() <= 1e-5 * (1 + ref_lse[ok].abs().max())
+    # one rounding of the float32 sum into the output dtype, plus float32's own error
+    err = (out[finite] - ref_out[finite]).abs()
+    assert (err <= EPS[dtype] * ref_out[finite].abs() + 1e-6 * (1 + ref_out[finite].abs())).all(), err.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [128, 96])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_merge_matches_float64(dtype, D, strided, path):
+    if path == "triton" and lse_merge._triton_merge() is None:
+        pytest.skip("Triton is not importable")
+    ((a_out, a_lse), (b_out, b_lse)), ref_out, ref_lse = _case(dtype, 300, 4, D, strided)
+    before = a_out.data_ptr(), a_lse.data_ptr()
+    (lse_merge.merge_ if path == "triton" else lse_merge._torch_merge)(a_out, a_lse, b_out, b_lse)
+    assert (a_out.data_ptr(), a_lse.data_ptr()) == before
+    _check(a_out, a_lse, ref_out, ref_lse, dtype)
+    if strided:  # the rows around the slices are untouched
+        assert (a_out._base[:3] == 7).all() and (a_out._base[-3:] == 7).all()
+        assert (a_lse._base[:, :3] == 7).all() and (a_lse._base[:, -3:] == 7).all()
