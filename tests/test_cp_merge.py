@@ -64,9 +64,12 @@ RUNS = {
 def test_partials_come_home_summed_once(dtype, case):
     """dK/dV partials of rows sent to several peers, landed where the schedule puts them, add up
     to the float64 sum, rounded once."""
-    from types import SimpleNamespace
+    check_partials(dtype, case, torch.device("cpu"))
 
-    from doc_packed.cp.attention import _add_partials
+
+def check_partials(dtype, case, device, H=2, D=4):
+    """The partials test's body on ``device`` (tests/test_gpu_cp_merge.py runs it on CUDA)."""
+    from doc_packed.cp.partials import add_partials_
     from doc_packed.cp.schedule import _home_grid
 
     runs = RUNS[case]
@@ -77,7 +80,7 @@ def test_partials_come_home_summed_once(dtype, case):
     assert sorted(taken + gaps) == list(range(rows_back))
     assert rows_back == sum(k * n for _, k, _, n in sums) >= sum(n for _, n in runs)
     torch.manual_seed(1)
-    rows, H, D = 24, 2, 4
+    rows = 24
     dk, dv = torch.randn(rows, H, D).to(dtype), torch.randn(rows, H, D).to(dtype)
     partial = [torch.randn(n, 2, H, D).to(dtype) for _, n in runs]
     want = torch.stack([dk, dv], 1).double()
@@ -87,8 +90,9 @@ def test_partials_come_home_summed_once(dtype, case):
     back[gaps] = 0
     for at, part in zip(land, partial):
         back[at : at + part.shape[0]] = part
-    _add_partials(SimpleNamespace(kv_back_sums=sums), dk, dv, back)
-    got = torch.stack([dk, dv], 1)
+    dk, dv, back = dk.to(device), dv.to(device), back.to(device)
+    add_partials_(dk, dv, back, sums)
+    got = torch.stack([dk, dv], 1).cpu()
     if dtype == torch.float64:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     else:  # one rounding of a float32 sum: the nearest bf16 or its neighbour

@@ -1,11 +1,13 @@
-"""The context-parallel lse merge on CUDA (skipped without a GPU): the Triton kernel and the
-torch ops it replaces, both against the float64 merge, on strided buffers and the rows a merge
-must leave alone (no key on either side, NaN, +inf)."""
+"""The context-parallel runtime's reductions on CUDA (skipped without a GPU): the lse merge (the
+Triton kernel and the torch ops it replaces, both against the float64 merge, on strided buffers
+and the rows a merge must leave alone: no key on either side, NaN, +inf), and the partial dK/dV
+sums (tests/test_cp_merge.py's cases on the GPU)."""
 
 import pytest
 import torch
 
 from doc_packed.cp import lse_merge
+from test_cp_merge import RUNS, check_partials
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -76,3 +78,10 @@ def test_merge_matches_float64(dtype, D, strided, path):
     if strided:  # the rows around the slices are untouched
         assert (a_out._base[:3] == 7).all() and (a_out._base[-3:] == 7).all()
         assert (a_lse._base[:, :3] == 7).all() and (a_lse._base[:, -3:] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", list(RUNS))
+@pytest.mark.parametrize("width", [(2, 4), (8, 128)], ids=["narrow", "Hkv8-D128"])
+def test_partials_summed_once_on_cuda(dtype, case, width):
+    check_partials(dtype, case, torch.device("cuda"), *width)

@@ -27,6 +27,7 @@ from .._doc_layout import DocLayout, get_layout
 from . import comm
 from .plan import build_plan, owner_range
 from .lse_merge import merge_
+from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 
 __all__ = ["backward", "forward", "get_schedule", "reject"]
@@ -347,19 +348,6 @@ def forward(
 # ----------------------------------------------------------------------------- backward
 
 
-def _add_partials(sch: RankSchedule, dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor) -> None:
-    """Add the partial dK|dV that peers sent back (``back``: ``[kv_back_rows, 2, H_kv, D]``, laid
-    out by the schedule) to this rank's ``dk``/``dv`` (rows ``[B * L, H_kv, D]``). An interval of
-    rows sent to k peers is one float32 sum over its k block rows (zeroed where a peer's run did
-    not reach), added once: every row's sum is taken in float32 and rounded to the gradient's
-    dtype once, with no float32 copy of the gradient and one pass over the partials."""
-    acc = kernels.lse_dtype(dk.dtype)
-    for g, k, r0, n in sch.kv_back_sums:  # add_, not += (which copies the slice onto itself)
-        part = back[g : g + n] if k == 1 else back[g : g + k * n].view(k, n, *back.shape[1:]).sum(0, dtype=acc)
-        dk[r0 : r0 + n].add_(part[:, 0])
-        dv[r0 : r0 + n].add_(part[:, 1])
-
-
 def backward(
     dout,
     q,
@@ -443,7 +431,7 @@ def backward(
     dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
     # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
     home = [_home(sch, dq[RECV].result(), into=dq_local)] if sch.q_traffic else []  # lands in dQ's rows
-    if sch.kv_traffic:  # land in the layout _add_partials sums (cells no partial reaches zeroed)
+    if sch.kv_traffic:  # land in the layout add_partials_ sums (cells no partial reaches zeroed)
         partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
         grid = partial.new_empty((sch.kv_back_rows, *partial.shape[1:]))
         if sch.kv_back_gaps.numel():
@@ -451,5 +439,5 @@ def backward(
         home.append(comm.Field(partial, sch.kv_recv_runs, sch.kv_back_recv, grid))
     landed = comm.exchange(home, group_name) if home else []
     if sch.kv_traffic:
-        _add_partials(sch, dk_local, dv_local, landed[-1])
+        add_partials_(dk_local, dv_local, landed[-1], sch.kv_back_sums)
     return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)
