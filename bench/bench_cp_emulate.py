@@ -131,22 +131,13 @@ from doc_packed import kernels  # noqa: E402
 from doc_packed.cp import attention as cp_attention  # noqa: E402
 from doc_packed.cp import comm  # noqa: E402
 from doc_packed.cp.plan import owner_ranges  # noqa: E402
+from emulated_layouts import emulated_lengths  # noqa: E402
 
 GROUP = "emulated"
 
 
 def _lengths(name: str, S: int, c: int = 1, packing: str = "greedy") -> list[int]:
-    """The row's segment lengths: drawn order, or with ``packing="cp"`` the same documents in
-    CP-aware order for ``c`` ranks (``doc_packed.pack_order``; needs a doc_packed that has it)."""
-    if name == "one doc":
-        return [S]
-    mean = int(name.split()[1].replace("k", "000").replace("2000", "2048"))
-    drawn = dp.lognormal_lengths(S, mean, seed=S)
-    if packing == "greedy":
-        return drawn
-    order = dp.pack_order(drawn, S, cp_size=c)
-    assert len(order.lengths) == 1, "one row of documents packs into one row"
-    return order.lengths[0]
+    return emulated_lengths(name, S, c, packing)
 
 
 def _packings(layout: str) -> list[str]:

@@ -375,8 +375,12 @@ class Model:
 
         for ``kv`` K/V tokens received and ``qm`` queries computed for other owners; plus the
         fixed exchange cost and ``calls`` kernel calls at ``launch_us`` each."""
+        return self.staged_s(self.compute_s(own), self.compute_s(work - own), kv, qm, calls)
+
+    def staged_s(self, a: float, b: float, kv: int, qm: int, calls: int = 0) -> float:
+        """:meth:`overlap_s` for stage A and stage B taking ``a`` and ``b`` seconds (forward and
+        backward together, split by ``BWD_FACTOR``)."""
         f = 1 / (1 + BWD_FACTOR)
-        a, b = self.compute_s(own), self.compute_s(work - own)
         row = self.hq * self.d * BF16  # one query's q (or out, dout, dq) row
         bw = self.a2a_gbps * 1e9
         fwd = max(a * f, (kv * self.kv_tok + qm * row) / bw) + b * f + qm * (row + LSE_BYTES * self.hq) / bw
@@ -421,9 +425,16 @@ def _check_accounting(layout: DocLayout, c: int, masks: list[RowMask], plan: Any
         raise AssertionError(f"traffic accounting disagrees with the planner at c={c}")
 
 
+CALL_COST_MAX_CP = 64  # the call-level model builds every rank's schedule: up to this CP size
+
+
 def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask], m: Model,
-             repeats: int) -> dict:
-    """Every design's work, bytes and step time at one (layout, c); ``plan_s`` is our planner's time."""
+             repeats: int, call_cost: Any = None) -> dict:
+    """Every design's work, bytes and step time at one (layout, c); ``plan_s`` is our planner's time.
+
+    ``call_cost`` (a :class:`bench.cp_call_cost.CallCost`): also price our staged design with
+    each rank's kernel calls at those rates (``step["ours_calls"]``, one GPU: ``t1_calls``),
+    for ``c <= CALL_COST_MAX_CP``."""
     plan, secs = time_plan(layout, c, repeats, m.hq / m.hkv)
     heap = minheap_assign(layout, c, masks)
     _check_accounting(layout, c, masks, plan)
@@ -447,7 +458,19 @@ def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask],
         "allgather_ideal": m.compute_s(total_work / c) + m.ag_s(3 * ag),
         "ulysses": m.compute_s(total_work / c) + m.a2a_s(2 * uly),
     }
+    t1_calls = None
+    if call_cost is not None and c <= CALL_COST_MAX_CP:
+        from bench.cp_call_cost import one_gpu_features, rank_stages
+
+        ranks = []
+        for r in range(c):
+            a, b = rank_stages(plan, r)
+            ranks.append(m.staged_s(call_cost.ms(a) / 1e3, call_cost.ms(b) / 1e3,
+                                    plan.kv_recv_tokens[r], plan.q_moved_tokens[r]))
+        step["ours_calls"] = max(ranks)
+        t1_calls = call_cost.ms(one_gpu_features(layout.rows, layout.seq_len)) / 1e3
     return {
+        "t1_calls": t1_calls,
         "dist": dist, "T": T, "c": c, "docs": sum(len(r) for r in layout.rows),
         "plan_s": secs,
         "imb": plan.imbalance, "heap_imb": heap.imbalance,

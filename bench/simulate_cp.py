@@ -54,7 +54,7 @@ SEED = 2026
 
 
 def _run_grid(dists: list[str], tokens: list[int], cps: list[int], rows: int, seed: int, m: Model,
-              repeats: int) -> list[dict]:
+              repeats: int, call_cost=None) -> list[dict]:
     """:func:`evaluate` at every grid point with T/c >= 64; progress on stderr."""
     results = []
     for dist in dists:
@@ -65,7 +65,7 @@ def _run_grid(dists: list[str], tokens: list[int], cps: list[int], rows: int, se
                 if T // c < MIN_TOKENS_PER_RANK:
                     continue
                 t0 = time.perf_counter()
-                results.append(evaluate(dist, T, c, layout, masks, m, repeats))
+                results.append(evaluate(dist, T, c, layout, masks, m, repeats, call_cost))
                 print(f"  {dist:14s} T={token_label(T):>5s} c={c:<5d} "
                       f"{time.perf_counter() - t0:6.2f}s", file=sys.stderr, flush=True)
     return results
@@ -261,6 +261,22 @@ def _validation_tables(res: list[dict]) -> str:
 
 
 # ---- main -----------------------------------------------------------------------------------
+def _calls_table(res: list[dict]) -> str:
+    """Per-GPU efficiency of our staged design priced call by call, one row per (dist, T)."""
+    pts = [r for r in res if r["t1_calls"] is not None]
+    cps = sorted({r["c"] for r in pts})
+    lines = ["| distribution | T | " + " | ".join(f"CP {c}" for c in cps) + " |",
+             "|---|---|" + "---|" * len(cps)]
+    for dist in dict.fromkeys(r["dist"] for r in pts):
+        for T in sorted({r["T"] for r in pts if r["dist"] == dist}):
+            cells = []
+            for c in cps:
+                r = next((x for x in pts if (x["dist"], x["T"], x["c"]) == (dist, T, c)), None)
+                cells.append("-" if r is None else f"{r['t1_calls'] / (c * r['step']['ours_calls']):.2f}")
+            lines.append(f"| {dist} | {token_label(T)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -284,6 +300,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each rank's calls from the runtime's schedule)")
     p.add_argument("--out", help="directory for sim_*.png plots (e.g. docs/)")
     p.add_argument("--plot-tokens", type=int, default=1 << 21, help="T shown in plots (a), (b)")
+    p.add_argument("--call-cost", action="store_true",
+                   help="also price our staged design call by call: each rank's stage A and B kernel calls at "
+                   "the rates of bench/cp_call_cost.py (fitted to the one-GPU emulation; CP <= 64)")
+    p.add_argument("--fit-calls", nargs="+", metavar="JSON",
+                   help="with --call-cost: fit those rates to these bench_cp_emulate.py JSONs first (and print them)")
     p.add_argument("--validate", metavar="JSON",
                    help="instead of the grid: predict the CP runs measured by bench/bench_cp.py "
                         "(e.g. docs/results/bench_cp_2xh200.json) and compare; with --out, "
@@ -331,9 +352,18 @@ def main(argv: list[str] | None = None) -> int:
               a2a_fixed_ms=args.a2a_fixed_ms, ag_fixed_ms=args.ag_fixed_ms, launch_us=args.launch_us)
     if args.validate:
         return _main_validate(args, m)
+    call_cost = None
+    if args.call_cost:
+        from bench import cp_call_cost
+
+        call_cost = cp_call_cost.H200_FA4
+        if args.fit_calls:
+            call_cost, mean, worst = cp_call_cost.fit(args.fit_calls)
+            print(f"call rates fitted to {len(args.fit_calls)} file(s): {call_cost} "
+                  f"(mean error {mean:.1%}, worst {worst:.1%})")
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    res = _run_grid(dists, tokens, cps, args.rows, args.seed, m, args.repeats)
+    res = _run_grid(dists, tokens, cps, args.rows, args.seed, m, args.repeats, call_cost)
     wall = time.perf_counter() - t0
     by_tokens, by_cp = _slopes(res)
 
@@ -356,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_slope_table(by_tokens, by_cp))
     print("\n## Predicted attention step time per layer (fwd+bwd) and speedup over one GPU\n")
     print(_step_table(res))
+    if call_cost is not None:
+        print(f"\n## Per-GPU efficiency, staged design priced call by call ({call_cost})\n")
+        print("one GPU (the same rates, one call over the row) / (c x slowest rank's staged step); "
+              "exchange at the all-to-all bandwidth above, overlapped with stage A\n")
+        print(_calls_table(res))
     print("\n## Goal checks\n")
     goals = _check_goals(res, by_tokens, by_cp)
     for ok, line in goals:

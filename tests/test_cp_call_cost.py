@@ -1,0 +1,71 @@
+"""bench/cp_call_cost.py: the call-level cost model of a context-parallel rank (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bench import cp_call_cost as cc
+from bench.cp_model import Model
+from bench.emulated_layouts import emulated_lengths
+
+
+def _tiles_brute(nq: int, nk: int, causal: bool) -> int:
+    """128 x 128 tiles holding a visible pair, by checking every pair (bottom-right causal)."""
+    seen = set()
+    for i in range(nq):
+        for j in range(nk):
+            if not causal or j <= i + nk - nq:
+                seen.add((i // cc.TILE, j // cc.TILE))
+    return len(seen)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_tiles_match_a_pair_by_pair_count(causal):
+    rng = random.Random(3)
+    shapes = [(1, 1), (128, 128), (129, 300), (300, 129), (256, 512), (0, 5)]
+    shapes += [(rng.randint(1, 400), rng.randint(1, 400)) for _ in range(12)]
+    for nq, nk in shapes:
+        assert cc.segment_tiles(nq, nk, causal) == _tiles_brute(nq, nk, causal), (nq, nk)
+
+
+def test_ranks_cover_the_one_gpu_work_and_their_own_rows():
+    """Split over ranks, the calls hold at least the one-GPU op's tiles, every stage A spans its
+    rank's rows, and merged rows are rows a stage B computed."""
+    S, c = 8192, 4
+    lengths = emulated_lengths("lognormal 512", S)
+    plan = cc.plan_for(lengths, S, c)
+    one = cc.one_gpu_features(cc._layout(lengths, S).rows, S)
+    stages = [cc.rank_stages(plan, r) for r in range(c)]
+    assert sum(a.tiles + b.tiles for a, b in stages) >= one.tiles
+    for a, b in stages:
+        assert a.q_rows == a.k_rows == S // c and a.merged == 0
+        assert b.merged <= b.q_rows
+
+
+def test_fit_recovers_the_rates_that_made_the_times(tmp_path):
+    """Times written from known rates for small emulation cells come back as those rates."""
+    true = cc.CallCost(tile_us=1.5, q_row_us=0.02, k_row_us=0.03, merge_us=0.05)
+    rows = []
+    for S, c, layout, packing in [(4096, 2, "lognormal 512", "greedy"), (8192, 4, "lognormal 512", "greedy"),
+                                  (8192, 4, "lognormal 2k", "greedy"), (8192, 2, "one doc", "greedy"),
+                                  (8192, 4, "lognormal 512", "cp")]:
+        lengths = emulated_lengths(layout, S, c, packing)
+        plan = cc.plan_for(lengths, S, c)
+        ranks = [{"rank": r, "ms": true.ms(a + b)} for r, (a, b) in enumerate(cc.rank_stages(plan, r) for r in range(c))]
+        one = true.ms(cc.one_gpu_features(cc._layout(lengths, S).rows, S))
+        rows.append(dict(S=S, cp=c, layout=layout, packing=packing, ranks=ranks, one_gpu_ms=one))
+    path = tmp_path / "emulated.json"
+    path.write_text(json.dumps({"rows": rows}))
+    got, mean, worst = cc.fit([str(path)])
+    assert worst < 1e-6
+    for g, t in zip((got.tile_us, got.q_row_us, got.k_row_us, got.merge_us), (true.tile_us, true.q_row_us, true.k_row_us, true.merge_us)):
+        assert g == pytest.approx(t, rel=1e-4)
+
+
+def test_staged_step_is_the_overlap_model_with_given_stage_times():
+    m = Model()
+    own, work, kv, qm = 3_000_000, 5_000_000, 700, 120
+    assert m.staged_s(m.compute_s(own), m.compute_s(work - own), kv, qm) == m.overlap_s(own, work, kv, qm)
