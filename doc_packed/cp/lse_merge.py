@@ -49,8 +49,10 @@ def _triton_merge():
         import triton.language as tl
     except ImportError:
         return None
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None  # Triton's supported GPUs; older ones take the torch ops
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "sl_h", "slb_h", "so_r", "sob_r"])  # no recompile per layout
     def _kernel(
         o_ptr, l_ptr, ob_ptr, lb_ptr, n, D,
         so_r, so_h, sl_h, sl_r, sob_r, sob_h, slb_h, slb_r,

@@ -55,8 +55,10 @@ def _triton_partials():
         import triton.language as tl
     except ImportError:
         return None
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None  # Triton's supported GPUs; older ones take the torch ops
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["g", "k", "r0", "n"])  # no recompile per layout
     def _kernel(dk_ptr, dv_ptr, back_ptr, g, k, r0, n, W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
