@@ -24,8 +24,9 @@ __all__ = ["merge_"]
 def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Fold ``(out_b, lse_b)`` into ``(out, lse)`` in place: ``out``/``out_b`` ``[n, H, D]``
     (last dim contiguous), ``lse``/``lse_b`` ``[H, n]`` (any strides)."""
-    if out.is_cuda and out.shape[0] and _triton_merge() is not None and out.stride(-1) == 1 and out_b.stride(-1) == 1:
-        _triton_merge()(out, lse, out_b, lse_b)
+    fused = _triton_merge() if out.is_cuda and out.device.index == torch.cuda.current_device() else None
+    if fused is not None and out.shape[0] and out.stride(-1) == 1 and out_b.stride(-1) == 1:
+        fused(out, lse, out_b, lse_b)  # (Triton launches on the current device)
         return
     _torch_merge(out, lse, out_b, lse_b)
 
@@ -43,7 +44,8 @@ def _torch_merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_
 
 @functools.cache
 def _triton_merge():
-    """The Triton merge, or None where Triton cannot be imported (CPU builds of torch)."""
+    """The Triton merge, or None where Triton cannot be imported (CPU builds of torch) or the GPU
+    is older than compute capability 8.0."""
     try:
         import triton
         import triton.language as tl

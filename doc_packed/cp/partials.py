@@ -31,7 +31,7 @@ def add_partials_(
     """Add the landed partials ``back`` (``[rows, 2, H_kv, D]``) to ``dk``/``dv`` (``[B * L,
     H_kv, D]``), interval by interval: ``sums`` holds ``(first row of back, k, first row of dk,
     rows)``."""
-    fused = _triton_partials() if dk.is_cuda else None
+    fused = _triton_partials() if dk.is_cuda and dk.device.index == torch.cuda.current_device() else None
     if fused is not None and dk.is_contiguous() and dv.is_contiguous() and back.is_contiguous():
         for g, k, r0, n in sums:
             fused(dk, dv, back, g, k, r0, n)
@@ -49,7 +49,8 @@ def _torch_partials(dk, dv, back, sums) -> None:
 
 @functools.cache
 def _triton_partials():
-    """The Triton sum-and-add of one interval, or None where Triton cannot be imported."""
+    """The Triton sum-and-add of one interval, or None where Triton cannot be imported (CPU builds
+    of torch) or the GPU is older than compute capability 8.0."""
     try:
         import triton
         import triton.language as tl
