@@ -260,7 +260,6 @@ def _validation_tables(res: list[dict]) -> str:
     return a + "\n\n" + b
 
 
-# ---- main -----------------------------------------------------------------------------------
 def _calls_table(res: list[dict]) -> str:
     """Per-GPU efficiency of our staged design priced call by call, one row per (dist, T)."""
     pts = [r for r in res if r["t1_calls"] is not None]
@@ -277,6 +276,7 @@ def _calls_table(res: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- main -----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -304,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also price our staged design call by call: each rank's stage A and B kernel calls at "
                    "the rates of bench/cp_call_cost.py (fitted to the one-GPU emulation; CP <= 64)")
     p.add_argument("--fit-calls", nargs="+", metavar="JSON",
-                   help="with --call-cost: fit those rates to these bench_cp_emulate.py JSONs first (and print them)")
+                   help="--call-cost with rates fitted to these bench_cp_emulate.py JSONs (printed) instead")
     p.add_argument("--validate", metavar="JSON",
                    help="instead of the grid: predict the CP runs measured by bench/bench_cp.py "
                         "(e.g. docs/results/bench_cp_2xh200.json) and compare; with --out, "
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         return _main_validate(args, m)
     call_cost = None
-    if args.call_cost:
+    if args.call_cost or args.fit_calls:
         from bench import cp_call_cost
 
         call_cost = cp_call_cost.H200_FA4

@@ -69,3 +69,19 @@ def test_staged_step_is_the_overlap_model_with_given_stage_times():
     m = Model()
     own, work, kv, qm = 3_000_000, 5_000_000, 700, 120
     assert m.staged_s(m.compute_s(own), m.compute_s(work - own), kv, qm) == m.overlap_s(own, work, kv, qm)
+
+
+def test_step_model_prices_ranks_call_by_call():
+    """simulate_cp's --call-cost: the one-GPU time is the rates on one call over the row, and the
+    staged step is at least the slowest rank's own kernel time."""
+    from bench.cp_model import RowMask, evaluate
+
+    S, c = 8192, 4
+    layout = cc._layout(emulated_lengths("lognormal 512", S), S)
+    m = Model()
+    r = evaluate("lognormal-512", S, c, layout, [RowMask(d) for d in layout.rows], m, 1, cc.H200_FA4)
+    assert r["t1_calls"] == pytest.approx(cc.H200_FA4.ms(cc.one_gpu_features(layout.rows, S)) / 1e3)
+    plan = cc.plan_for(emulated_lengths("lognormal 512", S), S, c)
+    slowest = max(cc.H200_FA4.ms(a + b) for a, b in (cc.rank_stages(plan, k) for k in range(c))) / 1e3
+    assert r["step"]["ours_calls"] >= slowest > 0
+    assert evaluate("lognormal-512", S, 128, layout, [RowMask(d) for d in layout.rows], m, 1, cc.H200_FA4)["t1_calls"] is None
