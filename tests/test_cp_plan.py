@@ -55,7 +55,6 @@ def runs_agree(plan, schedules):
     it, and the runs cover the rows the plan says the peer needs from it, in the plan's order."""
     for src in schedules:
         for kind in ("kv", "q"):
-            splits = getattr(src, f"{kind}_send_splits")
             for dst, runs in enumerate(getattr(src, f"{kind}_send_runs")):
                 expected = getattr(schedules[dst], f"{kind}_recv_runs")[src.rank]
                 assert [n for _, n in runs] == [n for _, n in expected], (kind, src.rank, dst)
@@ -63,7 +62,7 @@ def runs_agree(plan, schedules):
                     assert [n for _, n in src.kv_back_recv[dst]] == [n for _, n in expected]
                 rows = [r for r0, n in runs for r in range(r0, r0 + n)]
                 assert rows == ([] if dst == src.rank else _sent_rows(plan, src.rank, dst, kind)), (kind, src.rank, dst)
-                assert len(rows) == splits[dst]
+                assert len(rows) == getattr(schedules[dst], f"{kind}_recv_splits")[src.rank]  # what dst sizes for it
                 # adjacent runs are merged: one transfer per contiguous block
                 assert all(a + n != b for (a, n), (b, _) in zip(runs, runs[1:])), runs
     for dst in schedules:  # received runs land one after another, grouped by source rank

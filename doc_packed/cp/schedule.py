@@ -75,8 +75,7 @@ class Call:
 class RankSchedule:
     rank: int
     local_rows: int  # B * L
-    # K/V exchange: rows sent to each peer and received from each (the runs: kv_send_runs below)
-    kv_send_splits: list[int]
+    # K/V exchange: rows received from each peer (the runs: kv_send_runs / kv_recv_runs below)
     kv_recv_splits: list[int]
     # partial dK/dV of the rows sent come home run by run (the runs of kv_send_runs, peer by
     # peer) into a buffer of kv_back_rows rows laid out for summing: rows sent to one peer only
@@ -290,7 +289,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return b * L + s - my_start
 
     # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
-    kv_send_splits = [0] * c
     kv_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for t in range(c):
         if t != rank:
@@ -298,7 +296,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                 for o, s, e in _parts(b, s0, e0, cs, S):
                     if o == rank:
                         kv_send_parts[t].append((b, s, e))
-                        kv_send_splits[t] += e - s
     kv_recv_splits = [0] * c
     recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
     for b, s0, e0 in plan.kv_ranges[rank]:
@@ -416,7 +413,6 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     return RankSchedule(
         rank=rank,
         local_rows=plan.batch * L,
-        kv_send_splits=kv_send_splits,
         kv_recv_splits=kv_recv_splits,
         kv_back_sums=back_sums,
         kv_back_recv=kv_back_recv,
