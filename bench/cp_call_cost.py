@@ -33,13 +33,15 @@ import numpy as np
 import torch
 
 from doc_packed._doc_layout import DocLayout
+from doc_packed.cp.attention import TOLERANCE
 from doc_packed.cp.plan import ContextParallelPlan, build_plan
 from doc_packed.cp.schedule import Call, build_schedule
 
+from bench.cp_model import HKV, HQ
 from bench.emulated_layouts import emulated_lengths
 
 TILE = 128
-QUERY_COST, TOLERANCE = 4.0, 0.01  # the runtime's, for Hq 32 / Hkv 8 (doc_packed/cp/attention.py)
+QUERY_COST = HQ / HKV  # the runtime's (doc_packed/cp/attention.py) for the fitted shape
 
 
 @dataclass(frozen=True)
