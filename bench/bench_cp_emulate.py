@@ -421,7 +421,9 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     anchor = _fwd_bwd(q, k, v, dout, cu, S, None)
     one = _timed(anchor, iters)
-    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_attention.TOLERANCE)
+    row_cost = getattr(cp_attention, "ROW_COST", None)  # (None: a runtime from before session 13)
+    extra = {} if row_cost is None else {"row_cost": row_cost}
+    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_attention.TOLERANCE, **extra)
     ranks = []
     emus = []
     for r in range(c):
@@ -480,7 +482,7 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
         rounds=ARGS.rounds, one_gpu_rounds=[round(t, 3) for t in ones],
         q_moved=list(plan.q_moved_tokens), kv_recv=list(plan.kv_recv_tokens),
         slowest_ms=slow["ms"], efficiency=round(one / (c * slow["ms"]), 3), imbalance=round(plan.imbalance, 4),
-        slowest_split=split, cp_backend=spec_backend,
+        slowest_split=split, cp_backend=spec_backend, row_cost=None if row_cost is None else list(row_cost),
     )
 
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from doc_packed._doc_layout import DocLayout
-from doc_packed.cp.attention import TOLERANCE
-from doc_packed.cp.plan import ContextParallelPlan, build_plan
+from doc_packed.cp.attention import ROW_COST, TOLERANCE
+from doc_packed.cp.plan import ContextParallelPlan, RowCost, build_plan
 from doc_packed.cp.schedule import Call, build_schedule
 
 from bench.cp_model import HKV, HQ
@@ -119,19 +119,24 @@ def _layout(lengths: list[int], S: int) -> DocLayout:
     return DocLayout([cu], S)
 
 
-def plan_for(lengths: list[int], S: int, c: int) -> ContextParallelPlan:
-    return build_plan(_layout(lengths, S), c, True, -1, 0, query_cost=QUERY_COST, tolerance=TOLERANCE)
+def plan_for(lengths: list[int], S: int, c: int, row_cost: RowCost | None = ROW_COST) -> ContextParallelPlan:
+    """The runtime's plan (``row_cost=None``: the pairs-only planner before session 13)."""
+    return build_plan(
+        _layout(lengths, S), c, True, -1, 0, query_cost=QUERY_COST, tolerance=TOLERANCE, row_cost=row_cost
+    )
 
 
 def emulation_points(path: str) -> list[tuple[Features, float, str]]:
-    """(features, measured ms, label) of every rank and one-GPU anchor in an emulation JSON."""
+    """(features, measured ms, label) of every rank and one-GPU anchor in an emulation JSON (each
+    row re-planned as its run planned it: with its recorded ``row_cost``, none if absent)."""
     with open(path) as f:
         rows = json.load(f)["rows"]
     out = []
     for row in rows:
         S, c = row["S"], row["cp"]
         lengths = emulated_lengths(row["layout"], S, c, row["packing"])
-        plan = plan_for(lengths, S, c)
+        rc = row.get("row_cost")
+        plan = plan_for(lengths, S, c, None if rc is None else RowCost(*rc))
         tag = f"{S // 1024}k {row['layout']} {row['packing']} cp={c}"
         for r in row["ranks"]:
             a, b = rank_stages(plan, r["rank"])

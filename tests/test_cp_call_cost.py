@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from doc_packed.cp.attention import ROW_COST
+
 from bench import cp_call_cost as cc
 from bench.cp_model import Model
 from bench.emulated_layouts import emulated_lengths
@@ -56,7 +58,8 @@ def test_fit_recovers_the_rates_that_made_the_times(tmp_path):
         plan = cc.plan_for(lengths, S, c)
         ranks = [{"rank": r, "ms": true.ms(a + b)} for r, (a, b) in enumerate(cc.rank_stages(plan, r) for r in range(c))]
         one = true.ms(cc.one_gpu_features(cc._layout(lengths, S).rows, S))
-        rows.append(dict(S=S, cp=c, layout=layout, packing=packing, ranks=ranks, one_gpu_ms=one))
+        # as bench_cp_emulate records it: the planner's row prices, so the fit re-plans alike
+        rows.append(dict(S=S, cp=c, layout=layout, packing=packing, ranks=ranks, one_gpu_ms=one, row_cost=list(ROW_COST)))
     path = tmp_path / "emulated.json"
     path.write_text(json.dumps({"rows": rows}))
     got, mean, worst = cc.fit([str(path)])
@@ -85,3 +88,24 @@ def test_step_model_prices_ranks_call_by_call():
     slowest = max(cc.H200_FA4.ms(a + b) for a, b in (cc.rank_stages(plan, k) for k in range(c))) / 1e3
     assert r["step"]["ours_calls"] >= slowest > 0
     assert evaluate("lognormal-512", S, 128, layout, [RowMask(d) for d in layout.rows], m, 1, cc.H200_FA4)["t1_calls"] is None
+
+
+def test_row_priced_plans_are_faster_in_the_fitted_model():
+    """The runtime plans with row prices (doc_packed.cp.attention.ROW_COST): on the emulation's
+    16 cells, priced call by call with the fitted H200 rates, its slowest ranks beat the
+    pairs-only planner's on average and in no cell lose (session 13: 0.914 -> 0.932)."""
+    def efficiency(lengths, S, c, row_cost):
+        one = cc.H200_FA4.ms(cc.one_gpu_features(cc._layout(lengths, S).rows, S))
+        plan = cc.plan_for(lengths, S, c, row_cost)
+        return one / c / max(cc.H200_FA4.ms(sum(cc.rank_stages(plan, r), cc.Features())) for r in range(c))
+
+    before, after = [], []
+    for S in (131072, 262144):
+        for c in (4, 8):
+            for layout in ("lognormal 2k", "lognormal 512"):
+                for packing in ("greedy", "cp"):
+                    lengths = emulated_lengths(layout, S, c, packing)
+                    before.append(efficiency(lengths, S, c, None))
+                    after.append(efficiency(lengths, S, c, ROW_COST))
+    assert sum(after) / len(after) >= sum(before) / len(before) + 0.01
+    assert min(a - b for a, b in zip(after, before)) > -0.03

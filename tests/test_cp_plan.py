@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 import doc_packed as dp
 from conftest import random_lengths
+from doc_packed.cp.attention import ROW_COST
+from doc_packed.cp.plan import RowCost
 from doc_packed.cp.schedule import build_schedule
 from doc_packed.layout import lognormal_lengths
 from oracle import dense_mask
@@ -71,39 +73,98 @@ def runs_agree(plan, schedules):
             assert [a for a, _ in lands] == [sum(n for _, n in lands[:i]) for i in range(len(lands))]
 
 
+@pytest.mark.parametrize("row_cost", [None, ROW_COST], ids=["pairs", "row-priced"])
 @pytest.mark.parametrize("causal,window", MASKS)
 @pytest.mark.parametrize("c", [1, 2, 3, 4, 7])
-def test_plan_exact_counts(rng, c, causal, window):
+def test_plan_exact_counts(rng, c, causal, window, row_cost):
     S = 97
     cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S) for _ in range(2)] + [[S]], S, max_docs=S)
-    plan = dp.plan_context_parallel(cu, c, causal=causal, window_size=window)
+    plan = dp.plan_context_parallel(cu, c, causal=causal, window_size=window, row_cost=row_cost)
     independent_check(cu, S, c, causal, window, plan)
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), S=st.integers(1, 150), c=st.integers(1, 6), mask=st.sampled_from(MASKS))
-def test_plan_property(data, S, c, mask):
+@given(
+    data=st.data(),
+    S=st.integers(1, 150),
+    c=st.integers(1, 6),
+    mask=st.sampled_from(MASKS),
+    row_cost=st.sampled_from([None, ROW_COST, RowCost(1.0, 5.0, 0.0)]),
+)
+def test_plan_property(data, S, c, mask, row_cost):
     rng = random.Random(data.draw(st.integers(0, 10**9)))
     B = data.draw(st.integers(1, 3))
     cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S) for _ in range(B)], S, max_docs=S)
-    plan = dp.plan_context_parallel(cu, c, causal=mask[0], window_size=mask[1])
+    plan = dp.plan_context_parallel(cu, c, causal=mask[0], window_size=mask[1], row_cost=row_cost)
     independent_check(cu, S, c, mask[0], mask[1], plan)
 
 
-@pytest.mark.parametrize("mean", [256, 1024, 4096])
-@pytest.mark.parametrize("c", [4, 8, 16])
-def test_plan_balance_and_traffic_on_realistic_layouts(c, mean):
-    rng = random.Random(c * 7919 + mean)
-    S = 32768
-    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean, rng) for _ in range(2)], S)
-    plan = dp.plan_context_parallel(cu, c)
-    assert plan.imbalance <= 1.10
-    # far less K/V than all-gather (2 rows x (S - S/c) tokens per rank)
-    all_gather = 2 * (S - S // c)
-    assert max(plan.kv_recv_tokens) < 0.5 * all_gather
-    assert sum(plan.work) == sum(
-        n * (n + 1) // 2 for b in range(2) for n in torch.tensor(cu[b].tolist()).diff().tolist()
-    )
+def _extra_rows_by_hand(plan, cu, S, causal, window):
+    """Per rank, from the dense mask: each query range cut at shard boundaries; an own part whose
+    queries see keys of other shards adds (its queries, those keys, its queries), a moved-in part
+    (its queries, the span from its first to its last key seen, 0)."""
+    masks = [dense_mask(cu[b].tolist(), S, causal, window) for b in range(cu.shape[0])]
+    out = []
+    for r, (os_, oe) in enumerate(plan.owners):
+        q = k = m = 0
+        for b, s, e in plan.q_ranges[r]:
+            cuts = sorted({s, e, *(x for x, _ in plan.owners if s < x < e)})
+            for a, z in zip(cuts, cuts[1:]):
+                seen = masks[b][a:z].any(0).nonzero().flatten().tolist()
+                if os_ <= a < oe:
+                    remote = [p for p in seen if not os_ <= p < oe]
+                    if remote:
+                        q, k, m = q + z - a, k + len(remote), m + z - a
+                elif seen:
+                    q, k = q + z - a, k + seen[-1] - seen[0] + 1
+                else:
+                    q += z - a
+        out.append((q, k, m))
+    return out
+
+
+@pytest.mark.parametrize("row_cost", [None, ROW_COST], ids=["pairs", "row-priced"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (6, 0)), (False, (-1, -1))])
+@pytest.mark.parametrize("c", [2, 3, 4])
+def test_extra_rows_match_the_dense_mask(rng, c, causal, window, row_cost):
+    S = 97
+    cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S) for _ in range(2)] + [[S]], S, max_docs=S)
+    plan = dp.plan_context_parallel(cu, c, causal=causal, window_size=window, query_cost=2.0, row_cost=row_cost)
+    assert list(plan.extra_rows) == _extra_rows_by_hand(plan, cu, S, causal, window)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_row_prices_move_pairs_off_the_ranks_that_read_remote_keys(c):
+    """A rank whose queries read keys from other shards carries those rows: balanced with row
+    prices, the priced loads come out more even than the pairs-only plan's, and the rank with
+    the most extra rows gives pairs to the one with the fewest."""
+    S = 16384
+    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, 2048, random.Random(c))], S)
+    base = dp.plan_context_parallel(cu, c, query_cost=4.0)
+    priced = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=ROW_COST)
+    for plan in (base, priced):
+        rows = _extra_rows_by_hand(plan, cu, S, True, (-1, -1))
+        assert plan.priced(ROW_COST) == tuple(w + int(162 * q + 292 * k + 238 * m) for w, (q, k, m) in zip(plan.work, rows))
+    assert max(priced.priced(ROW_COST)) < max(base.priced(ROW_COST))
+    assert sum(priced.work) == sum(base.work)  # the same problem, split differently
+    extra = [p - w for p, w in zip(base.priced(ROW_COST), base.work)]
+    heavy, light = extra.index(max(extra)), extra.index(min(extra))
+    assert priced.work[heavy] - priced.work[light] < base.work[heavy] - base.work[light]
+    # zero prices: the pairs-only plan
+    assert dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=RowCost(0, 0, 0)).q_ranges == base.q_ranges
+
+
+@pytest.mark.parametrize("c", [2, 4, 8, 16])
+@pytest.mark.parametrize("mean", [512, 2048])
+def test_row_priced_plan_is_never_priced_higher_than_the_pairs_only_plan(c, mean):
+    """Re-balancing can make things worse on small shards (a moved run brings its document's keys):
+    the planner then keeps the pairs-only plan, so its busiest priced rank never gets busier."""
+    S = 16384
+    for seed in range(3):
+        cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean, random.Random(seed))], S)
+        base = dp.plan_context_parallel(cu, c, query_cost=4.0)
+        priced = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=ROW_COST)
+        assert max(priced.priced(ROW_COST)) <= max(base.priced(ROW_COST))
 
 
 def test_single_long_document_is_balanced():
@@ -133,5 +194,9 @@ def test_plan_argument_errors():
         dp.plan_context_parallel(cu, 0)
     with pytest.raises(ValueError, match="causal=True"):
         dp.plan_context_parallel(cu, 2, window_size=(3, 3))
+    with pytest.raises(TypeError, match="row_cost must be a RowCost"):
+        dp.plan_context_parallel(cu, 2, row_cost=(1.0, 2.0))
+    with pytest.raises(ValueError, match="row_cost.key must be finite and >= 0"):
+        dp.plan_context_parallel(cu, 2, row_cost=RowCost(1.0, -2.0, 0.0))
     with pytest.raises(ValueError, match="must start at 0"):
         dp.plan_context_parallel(torch.tensor([[1, 64]], dtype=torch.int32), 2)

@@ -25,7 +25,7 @@ import torch
 from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
-from .plan import build_plan, owner_range
+from .plan import RowCost, build_plan, owner_range
 from .lse_merge import merge_
 from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
@@ -35,6 +35,11 @@ __all__ = ["backward", "forward", "get_schedule", "reject"]
 # Allowed work imbalance over the mean. Plans weigh moving one query against fetching one
 # key/value row by their sizes per token (q/out and gradients: H_q * D; k/v: H_kv * D).
 TOLERANCE = 0.01
+# Plans balance pairs plus each rank's extra rows priced in pairs (plan.py, step 3): FA4's
+# per-row rates over its per-tile rate, fitted to one H200's emulation (bench/cp_call_cost.py's
+# H200_FA4: 0.0146 / 0.0264 / 0.0215 us per query / key / merged row, 1.479 us per 128 x 128
+# tile). Every kernel pays per row it spans; plans are exact whatever the prices.
+ROW_COST = RowCost(query=162.0, key=292.0, merged=238.0)
 
 
 def get_schedule(
@@ -133,9 +138,17 @@ def _schedule(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
     query_cost = Hq / Hkv
     tail = () if prefixes is None else (prefixes,)
     plan = layout.derived(
-        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE, *tail),
+        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE, ROW_COST, *tail),
         lambda: build_plan(
-            layout, size, causal, left, right, query_cost=query_cost, tolerance=TOLERANCE, prefixes=prefixes
+            layout,
+            size,
+            causal,
+            left,
+            right,
+            query_cost=query_cost,
+            tolerance=TOLERANCE,
+            prefixes=prefixes,
+            row_cost=ROW_COST,
         ),
     )
     return layout.derived(("cp_schedule", *key, *tail), lambda: build_schedule(plan, rank, device))

@@ -14,6 +14,14 @@ counted exactly: a run of queries costs its number of visible (query, key) pairs
    tried are the owners of the run's keys (which already hold part of them: for causal
    attention these are the earlier, lighter shards of the same document) and the ranks with
    the most room. A piece moves at most once, and only whole runs of one document move.
+3. *Balance time, not pairs* (``row_cost``, what the runtime passes). Kernels also pay per row
+   each call spans (FA4: pre- and post-processing per query row, one backward program per 128
+   keys and query head), so a rank whose queries read remote keys, or that took moved runs,
+   costs more than its pairs. The plan of step 2 prices each rank's extra rows in pairs
+   (:class:`RowCost`); step 2 runs again with half and with all of those as fixed per-rank
+   loads, so ranks with more rows end with fewer pairs, and the plan whose busiest rank is
+   cheapest in pairs plus priced rows is kept (the first one if neither re-plan beats it:
+   moved runs bring rows of their own). docs/context_parallel.md, "Balancing time".
 
 The result keeps documents together and queries at or next to their owners; a rank receives
 each key it needs once, and only keys its queries see. The plan depends only on the layout,
@@ -25,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -32,8 +41,9 @@ from .._checks import check_cost, check_count, check_cu_seqlens, check_int_rows,
 from .._doc_layout import DocLayout, get_layout, validate_bounds
 from .._mask import key_bounds, prefix_pairs
 
-__all__ = ["ContextParallelPlan", "plan_context_parallel", "build_plan", "owner_ranges"]
+__all__ = ["ContextParallelPlan", "RowCost", "plan_context_parallel", "build_plan", "owner_ranges"]
 
+_ROW_STEPS = (0.5, 1.0)  # fractions of the priced rows given as fixed loads, each tried once
 _TOP_PIECES = 4
 _TOP_RECEIVERS = 3
 
@@ -52,6 +62,15 @@ def owner_range(seq_len: int, cp_size: int, rank: int) -> tuple[int, int]:
 def owner_ranges(seq_len: int, cp_size: int) -> list[tuple[int, int]]:
     """:func:`owner_range` of every rank."""
     return [owner_range(seq_len, cp_size, r) for r in range(cp_size)]
+
+
+class RowCost(NamedTuple):
+    """What a rank's kernel calls cost beyond their (query, key) pairs, in pairs: per query row
+    and per key row a call beyond the rank's own-shard call spans, and per row merged by lse."""
+
+    query: float
+    key: float
+    merged: float
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,10 @@ class ContextParallelPlan:
         segments: per rank, the kernel segments (one document each) behind ``q_ranges``.
         kv_ranges: per rank, the ``(batch, start, end)`` key ranges it needs (its own shard
             included), disjoint and sorted.
+        extra_rows: per rank, the ``(query, key, merged)`` rows its kernel calls span beyond
+            its own-shard call: own queries that see remote keys (the queries, those keys, and
+            the queries again, merged), and moved-in queries (the queries, and the span of keys
+            each shard's part of them sees).
     """
 
     cp_size: int
@@ -94,6 +117,7 @@ class ContextParallelPlan:
     q_moved_tokens: tuple[int, ...]
     segments: tuple[tuple[Segment, ...], ...] = field(repr=False)
     kv_ranges: tuple[tuple[tuple[int, int, int], ...], ...] = field(repr=False)
+    extra_rows: tuple[tuple[int, int, int], ...] = field(repr=False, default=())
 
     @property
     def imbalance(self) -> float:
@@ -104,6 +128,11 @@ class ContextParallelPlan:
     @property
     def owners(self) -> list[tuple[int, int]]:
         return owner_ranges(self.seq_len, self.cp_size)
+
+    def priced(self, cost: RowCost) -> tuple[int, ...]:
+        """Per rank, its pairs plus its :attr:`extra_rows` priced by ``cost`` (what a plan made
+        with ``row_cost=cost`` balances)."""
+        return tuple(w + _price(rows, cost) for w, rows in zip(self.work, self.extra_rows))
 
     def summary(self) -> str:
         ag = 2 * self.batch * (self.seq_len - self.seq_len // self.cp_size)
@@ -122,7 +151,9 @@ class _Doc:
 
 
 class _Planner:
-    def __init__(self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes=None):
+    def __init__(
+        self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes=None, offsets=None
+    ):
         self.S, self.c = seq_len, cp_size
         self.causal, self.left, self.right = causal, left, right
         self.query_cost, self.tolerance = query_cost, tolerance
@@ -132,7 +163,7 @@ class _Planner:
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
         self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
-        self.load = [0] * cp_size
+        self.load = list(offsets) if offsets is not None else [0] * cp_size  # fixed extra load per rank
         for b, docs in enumerate(layout_rows):
             for d, (ds, de) in enumerate(docs):
                 doc = _Doc(ds, de, prefixes[b][d] if prefixes is not None else 0)
@@ -319,8 +350,29 @@ class _Planner:
         return best
 
     # -- result ------------------------------------------------------------------------------
+    def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
+        """(query, key, merged) rows of rank ``r``'s calls beyond its own-shard call: each run cut
+        at shard boundaries; an own part whose queries see remote keys adds its queries, those
+        keys and its queries again as merged rows; a moved-in part adds its queries and the
+        span of keys it sees."""
+        q = k = m = 0
+        for _, a, e, doc, _ in runs:
+            while a < e:
+                o = a // self.cs
+                pe = min(e, (o + 1) * self.cs)
+                ks, ke = self._key_range(doc, a, pe)
+                if o == r:
+                    remote = sum(y - x for x, y in self._outside_owned(r, ks, ke))
+                    if remote:
+                        q, k, m = q + pe - a, k + remote, m + pe - a
+                else:
+                    q, k = q + pe - a, k + ke - ks
+                a = pe
+        return q, k, m
+
     def result(self, window) -> ContextParallelPlan:
         segments: list[list[Segment]] = []
+        extra_rows: list[tuple[int, int, int]] = []
         for r in range(self.c):
             runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=lambda p: (p[0], p[1]))
             merged: list[list] = []
@@ -335,6 +387,7 @@ class _Planner:
                 ks, ke = self._key_range(doc, a, e)
                 segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
             segments.append(segs)
+            extra_rows.append(self._extra_rows(r, merged))
         work = tuple(sum(self._work(p[3], p[1], p[2]) for p in self.by_rank[r]) for r in range(self.c))
         q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
         for r in range(self.c):
@@ -359,7 +412,13 @@ class _Planner:
             q_moved_tokens=tuple(q_moved),
             segments=tuple(tuple(s) for s in segments),
             kv_ranges=tuple(kv_ranges),
+            extra_rows=tuple(extra_rows),
         )
+
+
+def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
+    q, k, m = rows
+    return int(cost.query * q + cost.key * k + cost.merged * m)
 
 
 def _union(ranges) -> list[tuple[int, int, int]]:
@@ -382,14 +441,31 @@ def build_plan(
     query_cost: float = 1.0,
     tolerance: float = 0.01,
     prefixes: tuple[tuple[int, ...], ...] | None = None,
+    row_cost: RowCost | None = None,
 ) -> ContextParallelPlan:
     """Plan from a validated layout; ``left``/``right`` already normalised (right=0 if causal);
-    ``prefixes``: per row, each non-empty document's bidirectional prefix length (causal only)."""
+    ``prefixes``: per row, each non-empty document's bidirectional prefix length (causal only);
+    ``row_cost``: balance pairs plus rows priced so (step 3 of the module docstring)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    planner = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
-    planner.balance()
-    return planner.result((left, right))
+
+    def plan(offsets=None) -> ContextParallelPlan:
+        args = (layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes, offsets)
+        planner = _Planner(*args)
+        planner.balance()
+        return planner.result((left, right))
+
+    pairs_only = plan()
+    if row_cost is None or cp_size == 1:
+        return pairs_only
+    extra = [_price(rows, row_cost) for rows in pairs_only.extra_rows]
+    best, best_max = pairs_only, max(pairs_only.priced(row_cost))
+    if max(extra) > min(extra):
+        for step in _ROW_STEPS:
+            candidate = plan([int(step * (e - min(extra))) for e in extra])
+            if max(candidate.priced(row_cost)) < best_max:
+                best, best_max = candidate, max(candidate.priced(row_cost))
+    return best
 
 
 def plan_context_parallel(
@@ -400,26 +476,37 @@ def plan_context_parallel(
     window_size: tuple[int, int] = (-1, -1),
     query_cost: float = 1.0,
     tolerance: float = 0.01,
+    row_cost: RowCost | None = None,
 ) -> ContextParallelPlan:
     """The plan context parallelism runs for this layout over ``cp_size`` ranks.
 
     ``cu_seqlens`` is the whole rows' ``[B, MAX_DOCS + 1]`` layout (any device; read once), or
     the same boundaries as lists of ints per row (no tensor: usable under a fake-tensor mode).
     ``query_cost`` is what moving one query costs relative to one key/value token (the runtime
-    uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean.
+    uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean;
+    ``row_cost`` balances pairs plus the rows each rank's calls span, priced in pairs (the runtime
+    passes :data:`doc_packed.cp.attention.ROW_COST`; None: pairs alone).
     """
     check_count("cp_size", cp_size)
     query_cost, tolerance = check_cost("query_cost", query_cost), check_cost("tolerance", tolerance)
+    if row_cost is not None:
+        if not isinstance(row_cost, tuple) or len(row_cost) != 3:
+            raise TypeError(f"row_cost must be a RowCost (query, key, merged) or None, got {row_cost!r}")
+        row_cost = RowCost(*(check_cost(f"row_cost.{n}", x) for n, x in zip(RowCost._fields, row_cost)))
     left, right = check_window(causal, window_size)
     if not isinstance(cu_seqlens, torch.Tensor):
         bounds = check_int_rows("cu_seqlens", cu_seqlens)
         validate_bounds(bounds, bounds[0][-1])
         layout = DocLayout(bounds, bounds[0][-1])
-        return build_plan(layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance)
+        return build_plan(
+            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance, row_cost=row_cost
+        )
     check_cu_seqlens(cu_seqlens)
     seq_len = int(cu_seqlens[0, -1])
     layout = get_layout(cu_seqlens, seq_len)
     return layout.derived(
-        ("cp_plan", cp_size, causal, left, right, query_cost, tolerance),
-        lambda: build_plan(layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance),
+        ("cp_plan", cp_size, causal, left, right, query_cost, tolerance, row_cost),
+        lambda: build_plan(
+            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance, row_cost=row_cost
+        ),
     )
