@@ -9,6 +9,6 @@
 - :mod:`.max_logits`: the largest visible logit of a context-parallel call (diagnostic).
 """
 
-from .plan import ContextParallelPlan, plan_context_parallel
+from .plan import ContextParallelPlan, RowCost, plan_context_parallel
 
-__all__ = ["ContextParallelPlan", "plan_context_parallel"]
+__all__ = ["ContextParallelPlan", "RowCost", "plan_context_parallel"]
