@@ -495,7 +495,7 @@ def plan_context_parallel(
     if row_cost is not None:
         if not isinstance(row_cost, tuple) or len(row_cost) != 3:
             raise TypeError(f"row_cost must be a RowCost (query, key, merged) or None, got {row_cost!r}")
-        row_cost = RowCost(*(check_cost(f"row_cost.{n}", x) for n, x in zip(RowCost._fields, row_cost)))
+        row_cost = RowCost(*(check_cost(f"row_cost.{n}", x) for n, x in zip(("query", "key", "merged"), row_cost)))
     left, right = check_window(causal, window_size)
     if not isinstance(cu_seqlens, torch.Tensor):
         bounds = check_int_rows("cu_seqlens", cu_seqlens)
