@@ -324,7 +324,11 @@ def worker(
                 res["ours"]["profile"] = every
             res["ours"]["refetch_ms"] = time_ms(refetch, warm, iters)
             res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
-            plan = dp.plan_context_parallel(cu.cpu(), world, query_cost=HQ / HKV)
+            from doc_packed.cp import attention as cp_attention  # the plan the runtime makes
+
+            plan = dp.plan_context_parallel(
+                cu.cpu(), world, query_cost=HQ / HKV, tolerance=cp_attention.TOLERANCE, row_cost=cp_attention.ROW_COST
+            )
             kv_bytes = 2 * HKV * D * 2
             res["ours"]["recv_MB_fwd"] = max(_recv_bytes(plan, r, kv_bytes) for r in range(world)) / 2**20
             res["allgather"]["recv_MB_fwd"] = (S - S // world) * kv_bytes / 2**20
