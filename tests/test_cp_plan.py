@@ -99,6 +99,22 @@ def test_plan_property(data, S, c, mask, row_cost):
     independent_check(cu, S, c, mask[0], mask[1], plan)
 
 
+@pytest.mark.parametrize("mean", [256, 1024, 4096])
+@pytest.mark.parametrize("c", [4, 8, 16])
+def test_plan_balance_and_traffic_on_realistic_layouts(c, mean):
+    rng = random.Random(c * 7919 + mean)
+    S = 32768
+    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean, rng) for _ in range(2)], S)
+    plan = dp.plan_context_parallel(cu, c)
+    assert plan.imbalance <= 1.10
+    # far less K/V than all-gather (2 rows x (S - S/c) tokens per rank)
+    all_gather = 2 * (S - S // c)
+    assert max(plan.kv_recv_tokens) < 0.5 * all_gather
+    assert sum(plan.work) == sum(
+        n * (n + 1) // 2 for b in range(2) for n in torch.tensor(cu[b].tolist()).diff().tolist()
+    )
+
+
 def _extra_rows_by_hand(plan, cu, S, causal, window):
     """Per rank, from the dense mask: each query range cut at shard boundaries; an own part whose
     queries see keys of other shards adds (its queries, those keys, its queries), a moved-in part
