@@ -37,10 +37,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
+from doc_packed.cp import attention as cp_attention
 from doc_packed.examples import Attention, Transformer
 from doc_packed.layout import lognormal_lengths
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
+
+
+def _runtime_plan(cu_seqlens: torch.Tensor, world: int) -> dp.ContextParallelPlan:
+    """The plan the context-parallel runtime makes for the model's attention over ``world`` ranks
+    (its query cost H_q / H_kv, tolerance and row prices; doc_packed/cp/attention.py)."""
+    return dp.plan_context_parallel(
+        cu_seqlens,
+        world,
+        query_cost=MODEL["n_heads"] / MODEL["n_kv_heads"],
+        tolerance=cp_attention.TOLERANCE,
+        row_cost=cp_attention.ROW_COST,
+    )
 
 
 def log(msg: str) -> None:
@@ -268,7 +281,7 @@ def rank_main(rank: int, world: int, port: int, args):
                 world=world,
                 placed=placed,
                 batches=batches,
-                plans=[dp.plan_context_parallel(cu, world) for _, _, cu in batches],
+                plans=[_runtime_plan(cu, world) for _, _, cu in batches],
                 losses=losses,
                 ref_losses=ref_losses,
                 param_err=param_err,
@@ -365,7 +378,7 @@ def _greedy_packing(r: Result) -> list[str]:
     cu = dp.cu_seqlens_from_lengths(dp.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
     if cu.shape == r.batches[0][2].shape and torch.equal(cu, r.batches[0][2]):
         return [_row("packing", "first-fit (greedy)")]
-    g = dp.plan_context_parallel(cu, r.world)
+    g = _runtime_plan(cu, r.world)
     return [
         _row("packing", f"CP-aware (pack_documents(..., cp_size={r.world})); the figures above are for it"),
         _row("  if greedy instead", f"queries moved {list(g.q_moved_tokens)}, K/V received "
