@@ -25,6 +25,7 @@ import math
 import torch
 
 from doc_packed.kernels import VarlenSpec, fa4
+from measure_rates import timed_ms  # bench/ is on the path when a script here runs
 
 HQ, HKV, D = 32, 8, 128
 
@@ -102,22 +103,6 @@ SPLITS = [
 REF_LIMIT = 4e8  # float64 reference only below this many pairs x heads
 
 
-def _time(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _reference(segs, q, k, v, dout, scale):
     """float64 dense attention per segment: (out, dq, dk, dv)."""
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
@@ -167,10 +152,10 @@ def run(reps: int) -> list[dict]:
             return unfold(dq, G), dk, dv
 
         row = {"label": label, "segments": segs, "q_rows": cu_q[-1], "k_rows": cu_k[-1]}
-        row["fwd_plain_ms"] = _time(fwd_plain, reps)
-        row["fwd_folded_ms"] = _time(fwd_folded, reps)
-        row["bwd_plain_ms"] = _time(bwd_plain, reps)
-        row["bwd_folded_ms"] = _time(bwd_folded, reps)
+        row["fwd_plain_ms"] = timed_ms(fwd_plain, iters=reps)
+        row["fwd_folded_ms"] = timed_ms(fwd_folded, iters=reps)
+        row["bwd_plain_ms"] = timed_ms(bwd_plain, iters=reps)
+        row["bwd_folded_ms"] = timed_ms(bwd_folded, iters=reps)
         plain, folded = bwd_plain(), bwd_folded()
         fo, fl = fwd_folded()
         pairs = sum(a * b for a, b in segs) * HQ
@@ -228,9 +213,9 @@ def run_splits(reps: int) -> list[dict]:
             dq = dq.float().add_(gd[0]).to(q.dtype)
             return dq, torch.cat([g[1], gd[1]]), torch.cat([g[2], gd[2]])
 
-        row = {"nq": nq, "nk": nk, "whole_ms": _time(whole_fb, reps)}
-        row["split_ms"] = _time(lambda: split_fb(False), reps)
-        row["split_fold_ms"] = _time(lambda: split_fb(True), reps)
+        row = {"nq": nq, "nk": nk, "whole_ms": timed_ms(whole_fb, iters=reps)}
+        row["split_ms"] = timed_ms(lambda: split_fb(False), iters=reps)
+        row["split_fold_ms"] = timed_ms(lambda: split_fb(True), iters=reps)
         a, b = whole_fb(), split_fb(True)
         row["diff"] = max(((x.float() - y.float()).abs().max() / x.float().abs().max()).item() for x, y in zip(a, b))
         rows.append(row)
