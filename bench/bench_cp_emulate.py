@@ -136,10 +136,6 @@ from emulated_layouts import emulated_lengths  # noqa: E402
 GROUP = "emulated"
 
 
-def _lengths(name: str, S: int, c: int = 1, packing: str = "greedy") -> list[int]:
-    return emulated_lengths(name, S, c, packing)
-
-
 def _packings(layout: str) -> list[str]:
     if layout == "one doc" or ARGS.packing != "both":
         return [ARGS.packing if layout != "one doc" else "greedy"]
@@ -417,7 +413,7 @@ def _split(run) -> dict:
 
 
 def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
-    lengths = _lengths(layout, S, c, packing)
+    lengths = emulated_lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     anchor = _fwd_bwd(q, k, v, dout, cu, S, None)
     one = _timed(anchor, iters)
@@ -507,7 +503,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     documents, perfect balance of tokens and no communication. ``ceiling`` = cut row / sum of
     chunks (per-GPU efficiency if every rank took the mean chunk time); ``balanced`` also charges
     the chunks' own imbalance (cut row / (c x slowest chunk))."""
-    chunks = _cut(_lengths(layout, S, c, packing), S, c)
+    chunks = _cut(emulated_lengths(layout, S, c, packing), S, c)
     q, k, v, dout, cu = _problem(S, [n for ch in chunks for n in ch], Hq, Hkv, D)
     whole = _fwd_bwd(q, k, v, dout, cu, S, None)
     parts = []
@@ -529,7 +525,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
 
 
 def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
-    lengths = _lengths(layout, S, c, packing)
+    lengths = emulated_lengths(layout, S, c, packing)
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D, seed=1)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     ref_out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, D**-0.5, "auto", None)
