@@ -26,8 +26,11 @@ covered by empty segments (queries with no keys give out 0 and lse -inf, which m
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..kernels import VarlenSpec
@@ -54,9 +57,11 @@ class _Piece:
 @dataclass(frozen=True)
 class Call:
     """One kernel call: queries ``q_buf[q0:q1]`` against keys ``k_buf[k0:k1]`` under ``spec``;
-    ``rows`` (device, relative to ``q0``) are the query rows it really computes; ``merge``: an
-    earlier call of the schedule (stage A, then stage B, in order) computed some of these rows
-    too, so the forward merges this call's output into theirs by lse instead of copying it."""
+    ``rows`` (device, relative to ``q0``) are the query rows it really computes, None when that
+    is every row of the slice (``n_rows`` of them either way); ``k_rows`` likewise the key rows
+    some query sees (relative to ``k0``), None when every one is; ``merge``: an earlier call of
+    the schedule (stage A, then stage B, in order) computed some of these rows too, so the
+    forward merges this call's output into theirs by lse instead of copying it."""
 
     q_buf: str
     k_buf: str
@@ -65,9 +70,9 @@ class Call:
     k0: int
     k1: int
     spec: VarlenSpec
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     n_rows: int
-    k_rows: torch.Tensor  # key rows (relative to ``k0``) some query of the call sees
+    k_rows: torch.Tensor | None
     merge: bool
 
 
@@ -160,23 +165,125 @@ def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, 
     return False, wl, wr
 
 
+class _Written:
+    """Rows of one query buffer that earlier calls computed: sorted disjoint ``[start, end)``
+    intervals (host ints; a schedule has a handful of calls, each a handful of runs)."""
+
+    def __init__(self) -> None:
+        self.ivs: list[tuple[int, int]] = []
+
+    def overlaps(self, runs: list[tuple[int, int]]) -> bool:
+        return any(s < e2 and s2 < e for s, e in runs for s2, e2 in self.ivs)
+
+    def add(self, runs: list[tuple[int, int]]) -> None:
+        self.ivs = _merged([*self.ivs, *runs])
+
+
+def _merged(runs) -> list[tuple[int, int]]:
+    """Sorted disjoint ``[start, end)`` intervals covering ``runs`` (empty ones dropped)."""
+    out: list[list[int]] = []
+    for s, e in sorted(runs):
+        if s >= e:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+class _Indices:
+    """Every index a schedule reads on the device, gathered on the host without torch ops (plain
+    ints and NumPy, whose work does not depend on torch's intra-op thread pool) and moved in one
+    copy per dtype: int64 rows, int32 segment offsets. ``add`` returns a slot; after :meth:`to`,
+    :meth:`get` gives the slot's view of the device copy."""
+
+    def __init__(self) -> None:
+        self.parts: dict[torch.dtype, list[np.ndarray]] = {torch.int64: [], torch.int32: []}
+        self.size = {torch.int64: 0, torch.int32: 0}
+        self.slots: list[tuple[torch.dtype, int, int]] = []
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+
+    def add(self, dtype: torch.dtype, values: Sequence[int] | np.ndarray) -> int:
+        arr = np.asarray(values, dtype=np.int64 if dtype == torch.int64 else np.int32)
+        self.parts[dtype].append(arr)
+        self.slots.append((dtype, self.size[dtype], arr.size))
+        self.size[dtype] += arr.size
+        return len(self.slots) - 1
+
+    def add_runs(self, runs: Sequence[tuple[int, int]]) -> int:
+        """A slot holding the int64 rows of the ``[start, end)`` ``runs``, in order."""
+        return self.add(torch.int64, _expand(runs))
+
+    def to(self, device: torch.device) -> None:
+        for dtype, parts in self.parts.items():
+            host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=_NP[dtype]))
+            if device.type == "cuda":  # pinned: the copy is queued, the host never waits for it
+                host = host.pin_memory()
+            self.flat[dtype] = host.to(device, non_blocking=True)
+
+    def get(self, slot: int) -> torch.Tensor:
+        dtype, start, n = self.slots[slot]
+        return self.flat[dtype][start : start + n]
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The rows of ``[start, end)`` runs, in order, as int64 (NumPy: no per-row Python)."""
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.fromiter((s for s, _ in runs), dtype=np.int64, count=len(runs))
+    lens = np.fromiter((e - s for s, e in runs), dtype=np.int64, count=len(runs))
+    ends = np.cumsum(lens)
+    # row i of run j is starts[j] + (i - first output position of run j)
+    return np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
+
+
+class _Draft(NamedTuple):
+    """A call before its device tensors exist: slots in an :class:`_Indices`."""
+
+    q_buf: str
+    k_buf: str
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    spec: VarlenSpec
+    cu: tuple[int, int]  # slots of the spec's cu_q, cu_k
+    rows: int | None  # slot of the query rows, None: every row of the slice
+    n_rows: int
+    k_rows: int | None
+    merge: bool
+
+    def call(self, index: _Indices, device: torch.device) -> Call:
+        # the spec's device offsets are views of the schedule's one copy (VarlenSpec.cu_tensors)
+        self.spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
+        rows = None if self.rows is None else index.get(self.rows)
+        k_rows = None if self.k_rows is None else index.get(self.k_rows)
+        return Call(
+            self.q_buf, self.k_buf, self.q0, self.q1, self.k0, self.k1, self.spec, rows, self.n_rows, k_rows, self.merge
+        )
+
+
 def _calls(
     pieces: list[_Piece],
     causal: bool,
     left: int,
     right: int,
-    device,
-    written: dict[str, torch.Tensor],
+    index: _Indices,
+    written: dict[str, _Written],
     span: int | None = None,
-) -> list[Call]:
+) -> list[_Draft]:
     """Group pieces into kernel calls: same buffers and mask; within a call queries and keys both
     run forward without overlap. ``span``: every call covers rows ``[0, span)`` of both buffers
     (stage A on the local tensors: the first call's outputs then serve as the result buffers).
 
     The calls come widest first, so that the first call on a query buffer usually spans all of it
     and its output becomes the result buffer (no zero-filled buffer, no merge). ``written``
-    (host, one bool per row of each query buffer) records the rows earlier calls computed and is
-    updated here: it sets each call's ``merge``."""
+    records the rows earlier calls computed and is updated here: it sets each call's ``merge``.
+    Host ints only; the device rows and offsets go into ``index``."""
     groups: dict[tuple, list[list[_Piece]]] = {}
     for p in sorted(pieces, key=lambda p: (p.q_buf, p.k_buf, p.q0, p.k0)):
         key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
@@ -194,7 +301,7 @@ def _calls(
             q1, k1 = members[-1].q0 + members[-1].nq, members[-1].k0 + members[-1].nk
             if span is not None:
                 q0, k0, q1, k1 = 0, 0, span, span
-            cu_q, cu_k, rows, k_rows = [0], [0], [], []
+            cu_q, cu_k = [0], [0]
             for p in members:
                 # empty segments cover the gaps: queries without keys, then keys without queries
                 if p.q0 - q0 > cu_q[-1]:
@@ -203,8 +310,6 @@ def _calls(
                 if p.k0 - k0 > cu_k[-1]:
                     cu_q.append(cu_q[-1])
                     cu_k.append(p.k0 - k0)
-                rows.append(torch.arange(p.q0 - q0, p.q0 - q0 + p.nq))
-                k_rows.append(torch.arange(p.k0 - k0, p.k0 - k0 + p.nk))
                 cu_q.append(cu_q[-1] + p.nq)
                 cu_k.append(cu_k[-1] + p.nk)
             if cu_q[-1] < q1 - q0:  # trailing rows: queries without keys, keys without queries
@@ -213,16 +318,20 @@ def _calls(
             if cu_k[-1] < k1 - k0:
                 cu_q.append(cu_q[-1])
                 cu_k.append(k1 - k0)
-            spec = VarlenSpec(cu_q, cu_k, c, wl, wr)
-            made.append((q_buf, k_buf, q0, q1, k0, k1, spec, torch.cat(rows), torch.unique(torch.cat(k_rows))))
+            q_runs = [(p.q0 - q0, p.q0 - q0 + p.nq) for p in members]  # distinct rows, in order
+            k_runs = _merged((p.k0 - k0, p.k0 - k0 + p.nk) for p in members)
+            made.append((q_buf, k_buf, q0, q1, k0, k1, VarlenSpec(cu_q, cu_k, c, wl, wr), cu_q, cu_k, q_runs, k_runs))
     out = []
-    for q_buf, k_buf, q0, q1, k0, k1, spec, index, k_index in sorted(made, key=lambda m: m[2] - m[3]):
-        seen = written[q_buf][index + q0]
-        merge = bool(seen.any())
-        written[q_buf][index + q0] = True
-        out.append(
-            Call(q_buf, k_buf, q0, q1, k0, k1, spec, index.to(device), int(index.numel()), k_index.to(device), merge)
-        )
+    for q_buf, k_buf, q0, q1, k0, k1, spec, cu_q, cu_k, q_runs, k_runs in sorted(made, key=lambda m: m[2] - m[3]):
+        absolute = [(s + q0, e + q0) for s, e in q_runs]
+        merge = written[q_buf].overlaps(absolute)
+        written[q_buf].add(absolute)
+        n_rows = sum(e - s for s, e in q_runs)
+        n_keys = sum(e - s for s, e in k_runs)
+        cu = (index.add(torch.int32, cu_q), index.add(torch.int32, cu_k))
+        rows = None if n_rows == q1 - q0 else index.add_runs(q_runs)
+        k_rows = None if n_keys == k1 - k0 else index.add_runs(k_runs)
+        out.append(_Draft(q_buf, k_buf, q0, q1, k0, k1, spec, cu, rows, n_rows, k_rows, merge))
     return out
 
 
@@ -232,7 +341,7 @@ def _home_grid(runs: list[tuple[int, int]]):
 
     Overlapping runs form one interval of L rows; its k runs land in a [k, L] block, run j in
     block row j at its offset in the interval, so the interval's sum is one reduction over k.
-    Returns (landing row of each run, rows in all, gap rows (cells no run covers), sums
+    Returns (landing row of each run, rows in all, gap runs (cells no run covers), sums
     ``(first row, k, first local row, L)``, shared)."""
     merged: list[list[int]] = []  # disjoint sorted [start, end) of every row sent
     for r0, n in sorted(runs):
@@ -245,7 +354,7 @@ def _home_grid(runs: list[tuple[int, int]]):
     for i, (r0, _) in enumerate(runs):
         members[bisect_right(starts, r0) - 1].append(i)
     land = [0] * len(runs)
-    gaps: list[int] = []
+    gaps: list[tuple[int, int]] = []  # [start, end) runs, some empty
     sums: list[tuple[int, int, int, int]] = []
     at = 0
     for (a, e), idx in zip(merged, members):
@@ -254,8 +363,7 @@ def _home_grid(runs: list[tuple[int, int]]):
             r0, n = runs[i]
             row = at + j * width
             land[i] = row + r0 - a
-            gaps.extend(range(row, land[i]))
-            gaps.extend(range(land[i] + n, row + width))
+            gaps += [(row, land[i]), (land[i] + n, row + width)]
         sums.append((at, len(idx), a, width))
         at += len(idx) * width
     shared = sum(e - a for a, e in merged) < sum(n for _, n in runs)
@@ -378,15 +486,10 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
 
     stage_a = [p for p in pieces if p.q_buf == LOCAL and p.k_buf == LOCAL]
     stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
-
-    def index(rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64).to(device)
-
-    # rows of each query buffer that a call computed so far (host; sets each call's ``merge``)
-    written = {
-        LOCAL: torch.zeros(plan.batch * L, dtype=torch.bool),
-        RECV: torch.zeros(sum(q_recv_splits), dtype=torch.bool),
-    }
+    index = _Indices()
+    written = {LOCAL: _Written(), RECV: _Written()}  # rows of each query buffer computed so far
+    drafts_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
+    drafts_b = _calls(stage_b, causal, left, right, index, written)
 
     def sent(parts: list[list[tuple[int, int, int]]]):
         return tuple(_runs(ps, my_start, L) for ps in parts)
@@ -404,11 +507,13 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         return tuple(out)
 
     kv_send_runs, q_send_runs = sent(kv_send_parts), sent(q_send_parts)
-    q_send = [r for runs in q_send_runs for r0, n in runs for r in range(r0, r0 + n)]
+    q_send = index.add_runs([(r0, r0 + n) for runs in q_send_runs for r0, n in runs])
     flat = [run for runs in kv_send_runs for run in runs]  # the order they come home in
     land, back_rows, gaps, back_sums, shared = _home_grid(flat)
     lands = iter(zip(land, (n for _, n in flat)))
     kv_back_recv = tuple(tuple(next(lands) for _ in runs) for runs in kv_send_runs)
+    back_gaps = index.add_runs([(a, e) for a, e in gaps if e > a])
+    index.to(device)  # the schedule's one host-to-device copy per dtype, queued
 
     return RankSchedule(
         rank=rank,
@@ -417,17 +522,17 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_back_sums=back_sums,
         kv_back_recv=kv_back_recv,
         kv_back_rows=back_rows,
-        kv_back_gaps=index(gaps),
+        kv_back_gaps=index.get(back_gaps),
         kv_shared=shared,
-        q_send_index=index(q_send),
+        q_send_index=index.get(q_send),
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
         kv_send_runs=kv_send_runs,
         kv_recv_runs=received(recv_parts),
         q_send_runs=q_send_runs,
         q_recv_runs=received(q_recv_parts),
-        stage_a=tuple(_calls(stage_a, causal, left, right, device, written, span=plan.batch * L)),
-        stage_b=tuple(_calls(stage_b, causal, left, right, device, written)),
+        stage_a=tuple(d.call(index, device) for d in drafts_a),
+        stage_b=tuple(d.call(index, device) for d in drafts_b),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
         q_traffic=sum(plan.q_moved_tokens) > 0,
     )
