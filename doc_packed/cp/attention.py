@@ -234,12 +234,11 @@ class _Rows:
         if self.out is None:
             self._init()
         assert self.out is not None and self.lse is not None
-        # most calls compute every row of their slice (the rows are distinct, so the set is the
-        # slice): read and write it as a slice, no index kernels
-        full = call.n_rows == call.q1 - call.q0
+        # most calls compute every row of their slice (``call.rows`` None): read and write it as
+        # a slice, no index kernels
         sl = slice(call.q0, call.q1)
-        rows = None if full else call.rows + call.q0
-        o_new, l_new = (o, l) if full else (o.index_select(0, call.rows), l.index_select(1, call.rows))
+        rows = None if call.rows is None else call.rows + call.q0
+        o_new, l_new = (o, l) if call.rows is None else (o.index_select(0, call.rows), l.index_select(1, call.rows))
         if not call.merge:
             self._put(sl, rows, o_new, l_new)
             return
