@@ -154,9 +154,7 @@ class _Doc:
 
 
 class _Planner:
-    def __init__(
-        self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes=None, offsets=None
-    ):
+    def __init__(self, layout_rows, seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes=None):
         self.S, self.c = seq_len, cp_size
         self.causal, self.left, self.right = causal, left, right
         self.query_cost, self.tolerance = query_cost, tolerance
@@ -166,7 +164,8 @@ class _Planner:
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
         self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
-        self.load = list(offsets) if offsets is not None else [0] * cp_size  # fixed extra load per rank
+        self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
+        self.load = [0] * cp_size
         for b, docs in enumerate(layout_rows):
             for d, (ds, de) in enumerate(docs):
                 doc = _Doc(ds, de, prefixes[b][d] if prefixes is not None else 0)
@@ -180,6 +179,21 @@ class _Planner:
         self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
         for p in self.pieces:
             self._add_keys(p[4], p[0], *self._key_range(p[3], p[1], p[2]))
+
+    def fresh(self, offsets: list[int]) -> _Planner:
+        """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
+        loads instead (the re-plans start from the same owner-first pieces: copied, not rebuilt)."""
+        assert len(self.pieces) == sum(len(r) for r in self.by_rank), "fresh() is for unbalanced planners"
+        new = object.__new__(_Planner)
+        new.__dict__.update(self.__dict__)
+        new.pieces = [list(p) for p in self.pieces]
+        new.by_rank = [[] for _ in range(self.c)]
+        for p in new.pieces:
+            new.by_rank[p[4]].append(p)
+        new.offsets = list(offsets)
+        new.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
+        new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
+        return new
 
     # -- mask arithmetic -------------------------------------------------------------------
     def _prefix(self, doc: _Doc, n: int) -> int:
@@ -373,9 +387,9 @@ class _Planner:
                 a = pe
         return q, k, m
 
-    def result(self, window) -> ContextParallelPlan:
-        segments: list[list[Segment]] = []
-        extra_rows: list[tuple[int, int, int]] = []
+    def _merged(self) -> list[list[list]]:
+        """Per rank, its runs sorted and merged where one continues the previous in a document."""
+        out = []
         for r in range(self.c):
             runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=lambda p: (p[0], p[1]))
             merged: list[list] = []
@@ -385,13 +399,28 @@ class _Planner:
                     q[2] = p[2]
                 else:
                     merged.append(list(p))
+            out.append(merged)
+        return out
+
+    def work(self) -> tuple[int, ...]:
+        """Per rank, the pairs it computes (its load without the fixed offsets)."""
+        return tuple(w - o for w, o in zip(self.load, self.offsets))
+
+    def priced_rows(self, cost: RowCost) -> list[int]:
+        """Per rank, its extra rows priced by ``cost``, without building the plan."""
+        return [_price(self._extra_rows(r, runs), cost) for r, runs in enumerate(self._merged())]
+
+    def result(self, window) -> ContextParallelPlan:
+        segments: list[list[Segment]] = []
+        extra_rows: list[tuple[int, int, int]] = []
+        for r, merged in enumerate(self._merged()):
             segs = []
             for b, a, e, doc, _ in merged:
                 ks, ke = self._key_range(doc, a, e)
                 segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
             segments.append(segs)
             extra_rows.append(self._extra_rows(r, merged))
-        work = tuple(sum(self._work(p[3], p[1], p[2]) for p in self.by_rank[r]) for r in range(self.c))
+        work = self.work()
         q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
         for r in range(self.c):
             os_, oe = self.owned[r]
@@ -452,23 +481,26 @@ def build_plan(
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
 
-    def plan(offsets=None) -> ContextParallelPlan:
-        args = (layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes, offsets)
-        planner = _Planner(*args)
-        planner.balance()
-        return planner.result((left, right))
+    start = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
 
-    pairs_only = plan()
+    def planner(offsets: list[int] | None = None) -> _Planner:
+        planner = start.fresh(offsets if offsets is not None else [0] * cp_size)
+        planner.balance()
+        return planner
+
+    best = planner()
     if row_cost is None or cp_size == 1:
-        return pairs_only
-    extra = [_price(rows, row_cost) for rows in pairs_only.extra_rows]
-    best, best_max = pairs_only, max(pairs_only.priced(row_cost)) * (1 - _ROW_MARGIN)
+        return best.result((left, right))
+    # the re-plans are priced without building them; only the one kept becomes a plan
+    extra = best.priced_rows(row_cost)
+    best_max = max(w + x for w, x in zip(best.work(), extra)) * (1 - _ROW_MARGIN)
     if max(extra) > min(extra):
         for step in _ROW_STEPS:
-            candidate = plan([int(step * (e - min(extra))) for e in extra])
-            if max(candidate.priced(row_cost)) < best_max:
-                best, best_max = candidate, max(candidate.priced(row_cost))
-    return best
+            candidate = planner([int(step * (e - min(extra))) for e in extra])
+            priced = max(w + x for w, x in zip(candidate.work(), candidate.priced_rows(row_cost)))
+            if priced < best_max:
+                best, best_max = candidate, priced
+    return best.result((left, right))
 
 
 def plan_context_parallel(
