@@ -67,6 +67,13 @@ class DocLayout:
             self._derived.move_to_end(key)
         return value
 
+    def put(self, key: Any, value: Any) -> None:
+        """Memoise ``value`` under ``key``, replacing what was there."""
+        self._derived[key] = value
+        self._derived.move_to_end(key)
+        if len(self._derived) > _DERIVED_SIZE:
+            self._derived.popitem(last=False)
+
     def derived(self, key: Any, factory: Callable[[], _T]) -> _T:
         """Memoise ``factory()`` under ``key`` (the ``_DERIVED_SIZE`` most recently used keys)."""
         try:
@@ -170,12 +177,44 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
         _tensors.move_to_end(key)
         layout = hit[1]
     else:
+        _COUNTS["device_reads"] += 1
         layout = _layout_of(cu.to("cpu"), seq_len)  # the one device sync
         if key is not None:
             _lru_put(_tensors, key, (cu_seqlens, layout))
     if key is not None:
         _last[:] = [cu_seqlens, seq_len, key[4], layout]
     return layout
+
+
+def register(cu_seqlens: torch.Tensor, host: torch.Tensor, seq_len: int) -> DocLayout:
+    """Give the non-CPU tensor ``cu_seqlens`` the validated layout of ``host``, its values on
+    the CPU (the caller's promise: the copy ``cu_seqlens`` was made from), so that calls with it
+    never read it back; returns the layout. Raises ValueError for invalid values."""
+    layout = _layout_of(host.detach(), seq_len)
+    key = _identity_key(cu_seqlens.detach(), seq_len)
+    if key is not None and cu_seqlens.device.type != "cpu":
+        _lru_put(_tensors, key, (cu_seqlens, layout))
+    return layout
+
+
+def registered_seq_len(cu_seqlens: torch.Tensor) -> int | None:
+    """The row length a non-CPU tensor was cached or :func:`register`-ed with, or None."""
+    key = _identity_key(cu_seqlens.detach(), -1)
+    if key is None:
+        return None
+    for k in reversed(_tensors):
+        if k[:5] == key[:5]:
+            return k[5]
+    return None
+
+
+def device_reads() -> int:
+    """How many times this process read a non-CPU ``cu_seqlens`` back to the host (each one a
+    device sync): tensors neither seen before nor :func:`register`-ed."""
+    return _COUNTS["device_reads"]
+
+
+_COUNTS = {"device_reads": 0}
 
 
 def clear_cache() -> None:

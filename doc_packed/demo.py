@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.cp import attention as cp_attention
 from doc_packed.examples import Attention, Transformer
 from doc_packed.layout import lognormal_lengths
 
@@ -46,14 +45,8 @@ MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
 def _runtime_plan(cu_seqlens: torch.Tensor, world: int) -> dp.ContextParallelPlan:
     """The plan the context-parallel runtime makes for the model's attention over ``world`` ranks
-    (its query cost H_q / H_kv, tolerance and row prices; doc_packed/cp/attention.py)."""
-    return dp.plan_context_parallel(
-        cu_seqlens,
-        world,
-        query_cost=MODEL["n_heads"] / MODEL["n_kv_heads"],
-        tolerance=cp_attention.TOLERANCE,
-        row_cost=cp_attention.ROW_COST,
-    )
+    (plan_context_parallel's defaults are the runtime's; the heads set its query cost)."""
+    return dp.plan_context_parallel(cu_seqlens, world, num_heads=(MODEL["n_heads"], MODEL["n_kv_heads"]))
 
 
 def log(msg: str) -> None:

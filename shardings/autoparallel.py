@@ -252,7 +252,7 @@ def describe_attention(
 
                 with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
                     plan = doc_packed.plan_context_parallel(
-                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
+                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv, row_cost=None
                     )
                 rows_per_plan = 1
             else:

@@ -246,7 +246,7 @@ def _row_pairs(rows: tuple[tuple[int, ...], ...], causal: bool, left: int, right
 @functools.lru_cache(maxsize=512)
 def _plan(rows: tuple[tuple[int, ...], ...], cp: int, causal: bool, left: int, right: int, query_cost: float):
     return plan_context_parallel(
-        [list(r) for r in rows], cp, causal=causal, window_size=(left, right), query_cost=query_cost
+        [list(r) for r in rows], cp, causal=causal, window_size=(left, right), query_cost=query_cost, row_cost=None
     )
 
 

@@ -25,21 +25,18 @@ import torch
 from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
-from .plan import RowCost, build_plan, owner_range
+from .plan import ROW_COST, TOLERANCE, owner_range, runtime_plan
 from .lse_merge import merge_
 from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
+from .warmup import warmup
 
-__all__ = ["backward", "forward", "get_schedule", "reject"]
+__all__ = ["backward", "forward", "get_schedule", "layout_tag", "reject", "schedule_for", "schedules_built"]
 
-# Allowed work imbalance over the mean. Plans weigh moving one query against fetching one
-# key/value row by their sizes per token (q/out and gradients: H_q * D; k/v: H_kv * D).
-TOLERANCE = 0.01
-# Plans balance pairs plus each rank's extra rows priced in pairs (plan.py, step 3): FA4's
-# per-row rates over its per-tile rate, fitted to one H200's emulation (bench/cp_call_cost.py's
-# H200_FA4: 0.0146 / 0.0264 / 0.0215 us per query / key / merged row, 1.479 us per 128 x 128
-# tile). Every kernel pays per row it spans; plans are exact whatever the prices.
-ROW_COST = RowCost(query=162.0, key=292.0, merged=238.0)
+# Plans weigh moving one query against fetching one key/value row by their sizes per token
+# (q/out and gradients: H_q * D; k/v: H_kv * D), allow plan.TOLERANCE of imbalance and balance
+# pairs plus each rank's extra rows priced by plan.ROW_COST (plan.py, step 3).
+__all__ += ["ROW_COST", "TOLERANCE"]  # (their home is plan.py)
 
 
 def get_schedule(
@@ -75,7 +72,7 @@ def get_schedule(
         layout = get_layout(cu_seqlens, seq_len)
         prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
         fields = {
-            "cu_seqlens values": layout.derived(("cp_layout_tag",), lambda: _layout_tag(layout)),
+            "cu_seqlens values": layout_tag(layout),
             "seq_len": seq_len,
             "group size": size,
             "causal": causal,
@@ -101,10 +98,11 @@ def get_schedule(
             )
         if layout.batch != B:
             raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
-        key = (size, rank, causal, left, right, Hq, Hkv, q.device)
-        schedule = _schedule(layout, key, prefixes)
+        key = (size, rank, causal, left, right, float(Hq / Hkv), q.device)
+        schedule = schedule_for(layout, key, prefixes)
+        fields["plan"] = schedule.plan_tag  # a plan handed to prepare() must be every rank's
         if backend not in kernels.AUTO_MODES:
-            _check_backend(layout, key, schedule, backend, q)
+            _check_backend(layout, key, schedule, backend, q, Hkv)
     except Exception as e:  # noqa: BLE001  (every rank must hear of it: shared below, then raised)
         error = e
     comm.check_agreement(group_name, "a context-parallel call", fields, local_error=error)
@@ -124,41 +122,47 @@ def reject(cp_group: object, error: Exception) -> None:
     comm.check_agreement(name, "a context-parallel call", None, local_error=error)
 
 
+def layout_tag(layout: DocLayout) -> str:
+    """A short, readable fingerprint of a layout's boundaries (memoised on it)."""
+    return layout.derived(("cp_layout_tag",), lambda: _layout_tag(layout))
+
+
 def _layout_tag(layout: DocLayout) -> str:
-    """A short, readable fingerprint of a layout's boundaries (computed once per layout)."""
     words = comm.fingerprint(layout.rows)
     docs = sum(len(r) for r in layout.rows)
     return f"{docs} documents in {layout.batch} rows, digest {words[0] & 0xFFFFFFFFFFFF:012x}{words[1] & 0xFFFF:04x}"
 
 
-def _schedule(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
-    """Plan and schedule for ``key`` = (size, rank, causal, left, right, Hq, Hkv, device) and
-    the bidirectional ``prefixes`` (None: none): host work, no collective, memoised on the layout."""
-    size, rank, causal, left, right, Hq, Hkv, device = key
-    query_cost = Hq / Hkv
+def schedule_for(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
+    """Plan and schedule for ``key`` = (size, rank, causal, left, right, H_q / H_kv, device) and
+    the bidirectional ``prefixes`` (None: none): host work, no collective, memoised on the layout
+    (made ahead by :func:`doc_packed.cp.prepare`, else by the first call that needs it)."""
+    size, rank, causal, left, right, query_cost, device = key
     tail = () if prefixes is None else (prefixes,)
-    plan = layout.derived(
-        ("cp_plan", size, causal, left, right, query_cost, TOLERANCE, ROW_COST, *tail),
-        lambda: build_plan(
-            layout,
-            size,
-            causal,
-            left,
-            right,
-            query_cost=query_cost,
-            tolerance=TOLERANCE,
-            prefixes=prefixes,
-            row_cost=ROW_COST,
-        ),
-    )
-    return layout.derived(("cp_schedule", *key, *tail), lambda: build_schedule(plan, rank, device))
+
+    def build() -> RankSchedule:
+        plan = runtime_plan(layout, size, causal, left, right, query_cost, prefixes)
+        _COUNTS["schedules"] += 1
+        return build_schedule(plan, rank, device)
+
+    return layout.derived(("cp_schedule", *key, *tail), build)
 
 
-def _check_backend(layout: DocLayout, key: tuple, schedule: RankSchedule, backend: str, q: torch.Tensor) -> None:
+_COUNTS = {"schedules": 0}
+
+
+def schedules_built() -> int:
+    """How many plans-and-schedules this process made (:func:`doc_packed.cp.runtime_counts`)."""
+    return _COUNTS["schedules"]
+
+
+def _check_backend(
+    layout: DocLayout, key: tuple, schedule: RankSchedule, backend: str, q: torch.Tensor, Hkv: int
+) -> None:
     """A forced backend must take every kernel call of this rank's schedule (the calls differ by
     rank, so this is checked before the agreement, not inside the exchange)."""
     why = layout.derived(
-        ("cp_backend", *key, backend, q.dtype, q.shape[-1]), lambda: _backend_refusal(schedule, backend, q, key[6])
+        ("cp_backend", *key, Hkv, backend, q.dtype, q.shape[-1]), lambda: _backend_refusal(schedule, backend, q, Hkv)
     )
     if why:
         raise ValueError(why)
@@ -329,6 +333,7 @@ def forward(
         softcap=softcap,
         prefix_lens=prefix_lens,
     )
+    warmup(q, k, v, causal, left, right, backend, softcap)  # FA4's kernels of every kind, once
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     # one exchange out: K|V rows peers need, and the queries the plan moves

@@ -41,8 +41,19 @@ from .._checks import check_cost, check_count, check_cu_seqlens, check_int_rows,
 from .._doc_layout import DocLayout, get_layout, validate_bounds
 from .._mask import key_bounds, prefix_pairs
 
-__all__ = ["ContextParallelPlan", "RowCost", "plan_context_parallel", "build_plan", "owner_ranges"]
+__all__ = [
+    "ROW_COST",
+    "TOLERANCE",
+    "ContextParallelPlan",
+    "RowCost",
+    "build_plan",
+    "owner_ranges",
+    "plan_context_parallel",
+    "runtime_plan",
+]
 
+# Allowed work imbalance over the mean: what the runtime plans with.
+TOLERANCE = 0.01
 _ROW_STEPS = (0.5, 1.0)  # fractions of the priced rows given as fixed loads, each tried once
 # a re-plan must beat the pairs-only plan's busiest priced rank by this much: the row prices'
 # fit is 2.7% off per rank on average, and moved queries cost exchange bytes it does not price
@@ -76,6 +87,13 @@ class RowCost(NamedTuple):
     merged: float
 
 
+# What the runtime plans with (step 3 of the module docstring): FA4's per-row rates over its
+# per-tile rate, fitted to one H200's emulation (bench/cp_call_cost.py's H200_FA4: 0.0146 /
+# 0.0264 / 0.0215 us per query / key / merged row, 1.479 us per 128 x 128 tile). Every kernel
+# pays per row it spans; plans are exact whatever the prices.
+ROW_COST = RowCost(query=162.0, key=292.0, merged=238.0)
+
+
 @dataclass(frozen=True)
 class Segment:
     """Queries ``[start, end)`` of row ``batch`` (inside one document) and the keys they see."""
@@ -107,6 +125,10 @@ class ContextParallelPlan:
             its own-shard call: own queries that see remote keys (the queries, those keys, and
             the queries again, merged), and moved-in queries (the queries, and the span of keys
             each shard's part of them sees).
+        query_cost, tolerance, row_cost: what it was planned with.
+        documents: per row, the ``(start, end)`` of each non-empty document it was planned for
+            (with ``prefixes``, each one's bidirectional prefix length, or None): what
+            :func:`doc_packed.cp.prepare` checks a plan against.
     """
 
     cp_size: int
@@ -121,6 +143,11 @@ class ContextParallelPlan:
     segments: tuple[tuple[Segment, ...], ...] = field(repr=False)
     kv_ranges: tuple[tuple[tuple[int, int, int], ...], ...] = field(repr=False)
     extra_rows: tuple[tuple[int, int, int], ...] = field(repr=False, default=())
+    query_cost: float = 1.0
+    tolerance: float = TOLERANCE
+    row_cost: RowCost | None = None
+    documents: tuple[tuple[tuple[int, int], ...], ...] = field(repr=False, default=())
+    prefixes: tuple[tuple[int, ...], ...] | None = field(repr=False, default=None)
 
     @property
     def imbalance(self) -> float:
@@ -161,6 +188,7 @@ class _Planner:
         self.cs = chunk_len(seq_len, cp_size)
         self.owned = owner_ranges(seq_len, cp_size)
         self.rows = layout_rows
+        self.prefixes = prefixes
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
         self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
@@ -410,7 +438,7 @@ class _Planner:
         """Per rank, its extra rows priced by ``cost``, without building the plan."""
         return [_price(self._extra_rows(r, runs), cost) for r, runs in enumerate(self._merged())]
 
-    def result(self, window) -> ContextParallelPlan:
+    def result(self, window, row_cost: RowCost | None) -> ContextParallelPlan:
         segments: list[list[Segment]] = []
         extra_rows: list[tuple[int, int, int]] = []
         for r, merged in enumerate(self._merged()):
@@ -445,6 +473,11 @@ class _Planner:
             segments=tuple(tuple(s) for s in segments),
             kv_ranges=tuple(kv_ranges),
             extra_rows=tuple(extra_rows),
+            query_cost=self.query_cost,
+            tolerance=self.tolerance,
+            row_cost=row_cost,
+            documents=self.rows,
+            prefixes=self.prefixes,
         )
 
 
@@ -471,7 +504,7 @@ def build_plan(
     right: int,
     *,
     query_cost: float = 1.0,
-    tolerance: float = 0.01,
+    tolerance: float = TOLERANCE,
     prefixes: tuple[tuple[int, ...], ...] | None = None,
     row_cost: RowCost | None = None,
 ) -> ContextParallelPlan:
@@ -490,7 +523,7 @@ def build_plan(
 
     best = planner()
     if row_cost is None or cp_size == 1:
-        return best.result((left, right))
+        return best.result((left, right), None)
     # the re-plans are priced without building them; only the one kept becomes a plan
     extra = best.priced_rows(row_cost)
     best_max = max(w + x for w, x in zip(best.work(), extra)) * (1 - _ROW_MARGIN)
@@ -500,7 +533,53 @@ def build_plan(
             priced = max(w + x for w, x in zip(candidate.work(), candidate.priced_rows(row_cost)))
             if priced < best_max:
                 best, best_max = candidate, priced
-    return best.result((left, right))
+    return best.result((left, right), row_cost)
+
+
+def runtime_plan(
+    layout: DocLayout,
+    cp_size: int,
+    causal: bool,
+    left: int,
+    right: int,
+    query_cost: float,
+    prefixes: tuple[tuple[int, ...], ...] | None = None,
+    *,
+    tolerance: float = TOLERANCE,
+    row_cost: RowCost | None = ROW_COST,
+) -> ContextParallelPlan:
+    """:func:`build_plan`, memoised on the layout: the runtime, :func:`plan_context_parallel` and
+    :func:`doc_packed.cp.prepare` share one plan per (layout, group size, mask, costs)."""
+    key = ("cp_plan", cp_size, causal, left, right, float(query_cost), tolerance, row_cost, prefixes)
+    return layout.derived(
+        key,
+        lambda: build_plan(
+            layout,
+            cp_size,
+            causal,
+            left,
+            right,
+            query_cost=query_cost,
+            tolerance=tolerance,
+            prefixes=prefixes,
+            row_cost=row_cost,
+        ),
+    )
+
+
+def query_cost_of(num_heads: object, query_cost: object) -> float:
+    """The planner's query cost from ``num_heads=(H_q, H_kv)`` (``H_q / H_kv``, the runtime's) or
+    an explicit ``query_cost``; 1.0 when neither is given."""
+    if num_heads is not None and query_cost is not None:
+        raise TypeError("pass num_heads=(H_q, H_kv) or query_cost, not both (query_cost is H_q / H_kv)")
+    if num_heads is None:
+        return 1.0 if query_cost is None else check_cost("query_cost", query_cost)
+    if not isinstance(num_heads, (tuple, list)) or len(num_heads) != 2:
+        raise TypeError(f"num_heads must be (H_q, H_kv), got {num_heads!r}")
+    hq, hkv = (check_count(f"num_heads[{i}]", h) for i, h in enumerate(num_heads))
+    if hq % hkv:
+        raise ValueError(f"num_heads: H_q={hq} must be a multiple of H_kv={hkv} (grouped-query attention)")
+    return hq / hkv
 
 
 def plan_context_parallel(
@@ -509,21 +588,26 @@ def plan_context_parallel(
     *,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
-    query_cost: float = 1.0,
-    tolerance: float = 0.01,
-    row_cost: RowCost | None = None,
+    num_heads: tuple[int, int] | None = None,
+    query_cost: float | None = None,
+    tolerance: float = TOLERANCE,
+    row_cost: RowCost | None = ROW_COST,
 ) -> ContextParallelPlan:
     """The plan context parallelism runs for this layout over ``cp_size`` ranks.
 
     ``cu_seqlens`` is the whole rows' ``[B, MAX_DOCS + 1]`` layout (any device; read once), or
     the same boundaries as lists of ints per row (no tensor: usable under a fake-tensor mode).
-    ``query_cost`` is what moving one query costs relative to one key/value token (the runtime
-    uses ``H_q / H_kv``); ``tolerance`` is the allowed work imbalance above the mean;
-    ``row_cost`` balances pairs plus the rows each rank's calls span, priced in pairs (the runtime
-    passes :data:`doc_packed.cp.attention.ROW_COST`; None: pairs alone).
+    ``num_heads=(H_q, H_kv)`` are the attention's head counts (the runtime weighs moving a query
+    against fetching a key/value row by ``H_q / H_kv``; ``query_cost`` sets that weight directly;
+    neither: 1.0). With the defaults for ``tolerance`` (allowed work imbalance above the mean) and
+    ``row_cost`` (the rows each rank's calls span, priced in pairs; None: pairs alone), this is
+    exactly the plan ``doc_packed_attn`` runs for a call with those heads and this mask: the same
+    object, memoised on the layout. The plan is a value: print it, keep it, pickle it, hand it
+    to :func:`doc_packed.cp.prepare`.
     """
     check_count("cp_size", cp_size)
-    query_cost, tolerance = check_cost("query_cost", query_cost), check_cost("tolerance", tolerance)
+    qc = query_cost_of(num_heads, query_cost)
+    tolerance = check_cost("tolerance", tolerance)
     if row_cost is not None:
         if not isinstance(row_cost, tuple) or len(row_cost) != 3:
             raise TypeError(f"row_cost must be a RowCost (query, key, merged) or None, got {row_cost!r}")
@@ -533,15 +617,7 @@ def plan_context_parallel(
         bounds = check_int_rows("cu_seqlens", cu_seqlens)
         validate_bounds(bounds, bounds[0][-1])
         layout = DocLayout(bounds, bounds[0][-1])
-        return build_plan(
-            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance, row_cost=row_cost
-        )
-    check_cu_seqlens(cu_seqlens)
-    seq_len = int(cu_seqlens[0, -1])
-    layout = get_layout(cu_seqlens, seq_len)
-    return layout.derived(
-        ("cp_plan", cp_size, causal, left, right, query_cost, tolerance, row_cost),
-        lambda: build_plan(
-            layout, cp_size, causal, left, right, query_cost=query_cost, tolerance=tolerance, row_cost=row_cost
-        ),
-    )
+    else:
+        check_cu_seqlens(cu_seqlens)
+        layout = get_layout(cu_seqlens, int(cu_seqlens[0, -1]))
+    return runtime_plan(layout, cp_size, causal, left, right, qc, tolerance=tolerance, row_cost=row_cost)

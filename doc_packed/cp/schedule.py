@@ -36,7 +36,7 @@ import torch
 from ..kernels import VarlenSpec
 from .plan import ContextParallelPlan, chunk_len
 
-__all__ = ["Call", "RankSchedule", "build_schedule"]
+__all__ = ["Call", "RankSchedule", "build_schedule", "call_masks"]
 
 LOCAL, RECV = "local", "recv"  # the two buffers a query or key row can sit in
 
@@ -112,6 +112,7 @@ class RankSchedule:
     stage_b: tuple[Call, ...]  # everything that reads a received buffer
     kv_traffic: bool  # does any rank of the group receive K/V (same on every rank)
     q_traffic: bool  # does any rank of the group move queries (same on every rank)
+    plan_tag: int  # the plan's query and key ranges hashed (ints only: the same in every process)
 
     @property
     def collectives(self) -> tuple[int, int]:
@@ -265,6 +266,24 @@ class _Draft(NamedTuple):
         return Call(
             self.q_buf, self.k_buf, self.q0, self.q1, self.k0, self.k1, self.spec, rows, self.n_rows, k_rows, self.merge
         )
+
+
+def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
+    """One ``(causal, left, right)`` of each kind the kernel calls of any schedule for this mask
+    can carry (:func:`_kernel_mask`'s cases; kinds differ in being causal and in which window
+    sides are set, never in the window's values), for building kernels ahead (cp/warmup.py).
+    ``left``/``right`` normalised (right 0 when causal)."""
+    out = {(False, -1, -1)}  # every query sees every key (a bidirectional prefix's block too)
+    if causal:
+        out.add((True, left, 0))  # queries and keys end together
+        out.add((False, -1, 1))  # keys end before the queries (shift > 0), no window left
+        if left >= 0:
+            out.add((False, 1, 1))  # ... with the window's left side still set
+    else:  # left - shift may drop below 0 (unset); right + shift below 0, to 0 or above
+        for wl in (-1, 1) if left >= 0 else (-1,):
+            for wr in (-1, 0, 1) if right >= 0 else (-1,):
+                out.add((False, wl, wr))
+    return tuple(sorted(out))
 
 
 def _calls(
@@ -535,4 +554,5 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         stage_b=tuple(d.call(index, device) for d in drafts_b),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
         q_traffic=sum(plan.q_moved_tokens) > 0,
+        plan_tag=hash((plan.q_ranges, plan.kv_ranges)),
     )

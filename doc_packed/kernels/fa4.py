@@ -185,13 +185,45 @@ def _build_args(spec: VarlenSpec, device: torch.device, scale: float) -> dict:
     return {
         "cu_seqlens_q": cu_q,
         "cu_seqlens_k": cu_k,
-        "max_seqlen_q": spec.max_q,
-        "max_seqlen_k": spec.max_k,
+        "max_seqlen_q": max(spec.max_q, MAX_SEQLEN_FLOOR),
+        "max_seqlen_k": max(spec.max_k, MAX_SEQLEN_FLOOR),
         "softmax_scale": scale,
         "causal": spec.causal,
         "window_size_left": left,
         "window_size_right": right,
     }
+
+
+# FA4 takes max_seqlen_q/k as upper bounds of the segment lengths, and compiles another kernel
+# when they fall under a tile (4.0.0b36 on SM90, identical code: forward H_q/H_kv * max_q <= 128
+# or 192 rows; backward max_q <= 64-128, max_k <= 128). Bounds raised to this floor keep every
+# call on one kernel whatever the layout (a few more empty tiles on calls that small).
+MAX_SEQLEN_FLOOR = 256
+# ... and more than this many segments (empty ones too) selects another scheduler path: both
+# are built once by doc_packed.cp's warm-up.
+MANY_SEGMENTS = 256
+
+
+def mask_class(spec: VarlenSpec) -> tuple[bool, bool, bool]:
+    """FA4's mask class for ``spec``: ``(causal, left window set, right window set)`` after its
+    own normalisation (a window (None, 0) is causal; ``causal`` forces right = 0), one compiled
+    kernel each. The window's values are runtime arguments."""
+    left, right = window(spec)
+    if spec.causal:
+        right = 0
+    if left is None and right == 0:
+        return True, False, False
+    return False, left is not None, right is not None
+
+
+def compile_facts(spec: VarlenSpec) -> tuple[tuple[bool, bool, bool], bool] | None:
+    """What of ``spec`` selects which FA4 kernels a forward and backward compile (given dtype,
+    head dims and H_q / H_kv): its :func:`mask_class` and whether it has more than
+    :data:`MANY_SEGMENTS` segments; None for a call that launches nothing (no queries or keys).
+    Read from FA4 4.0.0b36's compile keys on SM90, with :data:`MAX_SEQLEN_FLOOR` applied."""
+    if spec.total_q == 0 or spec.total_k == 0:
+        return None
+    return mask_class(spec), len(spec.cu_q) - 1 > MANY_SEGMENTS
 
 
 def forward(

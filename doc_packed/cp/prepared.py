@@ -1,0 +1,134 @@
+"""Context-parallel plans made ahead: the next batch's host work done when the caller chooses.
+
+Training knows a batch's ``cu_seqlens`` before the step that uses it. :func:`prepare` does the
+host work a new layout needs (validation, the plan, this rank's schedule and its device indices,
+queued in one copy) at a moment the caller picks, for instance right after the previous step's
+work is queued, while the GPU runs it. It returns ``cu_seqlens`` on the device, registered, so
+every attention call of the step finds what it needs without reading the tensor back (a device
+sync) and without planning. Nothing prepared: the first call of a step plans, as it always did.
+
+The plan itself is a value (:class:`~.plan.ContextParallelPlan`): made anywhere from plain
+lists (:func:`~.plan.plan_context_parallel`, e.g. in a DataLoader worker process), printed,
+pickled, and handed to :func:`prepare` with ``plan=``; the runtime then runs that plan, and every
+rank checks that the others run the same one before any data moves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _doc_layout
+from .._checks import check_cu_seqlens, check_window
+from . import attention, comm
+from .plan import ContextParallelPlan, query_cost_of, runtime_plan
+from .schedule import build_schedule
+
+__all__ = ["prepare", "runtime_counts"]
+
+
+def prepare(
+    cu_seqlens: torch.Tensor,
+    cp_group: dist.ProcessGroup | str,
+    *,
+    num_heads: tuple[int, int],
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    device: torch.device | str | None = None,
+    plan: ContextParallelPlan | None = None,
+) -> torch.Tensor:
+    """Make this rank's context-parallel plan and schedule for ``cu_seqlens`` now, and return
+    ``cu_seqlens`` on ``device`` ready for ``doc_packed_attn`` (or a placed model) to use.
+
+    Args:
+        cu_seqlens: the whole rows' ``[B, MAX_DOCS + 1]`` layout, on the CPU (a device tensor
+            is read back once: a sync, which is what this call exists to avoid).
+        cp_group: the context-parallel process group (or its name) the attention runs over.
+        num_heads: ``(H_q, H_kv)`` of the attention (any tensor-parallel split of both: the
+            plan depends on their ratio).
+        causal, window_size: the attention's mask, as passed to ``doc_packed_attn``; layers
+            with another mask: call again with the returned tensor (nothing is copied again).
+        device: where the attention runs (default: the current accelerator, else the CPU).
+        plan: run this plan instead of planning (it must be for this layout, group size and
+            mask; e.g. made in a DataLoader worker by ``plan_context_parallel``).
+
+    Returns:
+        ``cu_seqlens`` on ``device``, pinned and copied without blocking; on the CPU the tensor
+        itself. Calls with any other tensor of the same values find the same plan (after one
+        read back of a device tensor).
+    """
+    cu = check_cu_seqlens(cu_seqlens)
+    name = cp_group if isinstance(cp_group, str) else getattr(cp_group, "group_name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"cp_group must be a ProcessGroup or a group name, got {type(cp_group).__name__}")
+    rank, size = comm.group_info(name)
+    qc = query_cost_of(num_heads, None)
+    left, right = check_window(causal, window_size)
+    dev = _device(device)
+    host = cu.detach()
+    if host.device.type == "cpu":
+        seq_len = int(host[0, -1])
+        layout = _doc_layout.get_layout(host, seq_len)
+    else:  # a tensor prepared before (another mask) is found without a read
+        seq_len = _seq_len(cu)
+        layout = _doc_layout.get_layout(cu, seq_len)
+    key = (size, rank, causal, left, right, qc, dev)
+    if plan is None:
+        attention.schedule_for(layout, key)
+    else:
+        _check_plan(plan, layout, size, causal, (left, right), qc)
+        if plan is not runtime_plan(layout, size, causal, left, right, qc):
+            layout.put(("cp_schedule", *key), build_schedule(plan, rank, dev))
+    attention.layout_tag(layout)  # what every call's agreement sends, computed once
+    if host.device.type != "cpu" or dev.type == "cpu":
+        return cu
+    moved = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    _doc_layout.register(moved, host, seq_len)
+    return moved
+
+
+def runtime_counts() -> dict[str, int]:
+    """What this process's context-parallel calls cost the host so far: ``schedules`` built
+    (a plan and one rank's schedule each; :func:`prepare`'s count too) and ``device_reads`` of a
+    ``cu_seqlens`` that nothing had registered (each one a device sync)."""
+    return {"schedules": attention.schedules_built(), "device_reads": _doc_layout.device_reads()}
+
+
+def _seq_len(cu: torch.Tensor) -> int:
+    """The row length of a registered device ``cu_seqlens`` (one read when it is not)."""
+    hit = _doc_layout.registered_seq_len(cu)
+    return hit if hit is not None else int(cu[0, -1])
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = acc if acc is not None else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None:  # what a tensor on it reports, the runtime's key
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
+    return dev
+
+
+def _check_plan(
+    plan: object, layout: _doc_layout.DocLayout, size: int, causal: bool, window: tuple[int, int], qc: float
+) -> None:
+    if not isinstance(plan, ContextParallelPlan):
+        raise TypeError(f"plan must be a ContextParallelPlan (plan_context_parallel's), got {type(plan).__name__}")
+    wrong = [
+        f"{what} {got!r} (this call: {want!r})"
+        for what, got, want in (
+            ("cp_size", plan.cp_size, size),
+            ("causal", plan.causal, causal),
+            ("window", plan.window_size, window),
+            ("query_cost", plan.query_cost, qc),
+            ("seq_len", plan.seq_len, layout.seq_len),
+        )
+        if got != want
+    ]
+    if plan.documents != layout.rows:
+        wrong.append("documents (it was made for other cu_seqlens values)")
+    if plan.prefixes is not None:
+        wrong.append("bidirectional prefixes (prefix_lens calls plan on their first call)")
+    if wrong:
+        raise ValueError(f"plan does not fit this call: {'; '.join(wrong)}")

@@ -1,0 +1,72 @@
+"""Kernels a context-parallel schedule can ask for, built before a training step needs them.
+
+Every new document layout gives each rank new kernel calls. FA4 compiles a kernel the first time
+it meets a new *kind* of call (:func:`doc_packed.kernels.fa4.compile_facts`: the mask's class
+and whether the call has more than 256 segments), and each compile took 2.5-7 s in the middle of
+training (docs/context_parallel.md, "Warm-up"). The kinds a schedule can produce are known from
+the attention's mask alone (:func:`~.schedule.call_masks`), so the first context-parallel call
+per device, dtype, head dims, head ratio, mask and softcap runs each kind once on tiny inputs,
+forward and backward, and no later layout compiles anything. Backends without a compiler
+(flash, math) skip it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..kernels import VarlenSpec
+from ..kernels.fa4 import MANY_SEGMENTS
+from .schedule import call_masks
+
+__all__ = ["warm_specs", "warmup"]
+
+_done: set[tuple] = set()
+
+
+def warm_specs(causal: bool, left: int, right: int) -> list[VarlenSpec]:
+    """Tiny specs covering every kind of call a schedule for this mask can make: each of its
+    call masks with one segment and with ``MANY_SEGMENTS + 1`` (the extra ones empty)."""
+    specs = []
+    for c, wl, wr in call_masks(causal, left, right):
+        for empty in (0, MANY_SEGMENTS):
+            cu = [0, 2] + [2] * empty
+            specs.append(VarlenSpec(cu, cu, c, wl, wr))
+    return specs
+
+
+def warmup(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    left: int,
+    right: int,
+    backend: str = "auto",
+    softcap: float = 0.0,
+) -> int:
+    """Build, once per process, every kernel a context-parallel schedule for this call's mask can
+    ask for: ``q``/``k``/``v`` are a call's ``[B, L, H, D]`` shards (only their dtype, device, head
+    counts and dims are read). Returns the kernel calls it made (0: done before, or a backend
+    that compiles nothing)."""
+    Hq, Hkv, D, Dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    key = (q.device, q.dtype, Hq // Hkv, D, Dv, causal, left, right, backend, softcap)
+    if key in _done:
+        return 0
+    _done.add(key)
+    specs = warm_specs(causal, left, right)
+    qs = q.new_zeros((2, Hq, D))
+    if kernels.choose(backend, specs[0], qs, Hkv, kernels.Variant.of(q, v, softcap)) != "fa4":
+        return 0
+    g = torch.Generator(device=q.device).manual_seed(0)
+    made = 0
+    with torch.no_grad():
+        for spec in specs:
+            n = spec.total_q
+            qt, kt = (torch.randn((n, h, D), generator=g, device=q.device, dtype=q.dtype) for h in (Hq, Hkv))
+            vt = torch.randn((n, Hkv, Dv), generator=g, device=q.device, dtype=q.dtype)
+            scale = D**-0.5
+            out, lse = kernels.forward(spec, qt, kt, vt, scale, backend, softcap)
+            kernels.backward(spec, torch.randn_like(out), qt, kt, vt, out, lse, scale, backend, softcap)
+            made += 2
+    return made

@@ -1,0 +1,96 @@
+"""Rank bodies for tests/test_cp_prepare.py (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import doc_packed as dp
+from conftest import random_lengths
+from doc_packed import cp
+from doc_packed._doc_layout import get_layout
+from doc_packed.cp import attention
+from oracle import reference
+
+HQ, HKV, D = 4, 2, 8
+
+
+def _run(rank, world, cu, S, causal, window, seed):
+    """Context-parallel forward and backward of one layout: max error against the oracle."""
+    g = torch.Generator().manual_seed(seed)
+    B = cu.shape[0]
+    q, k, v, dout = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+    rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, _ = reference(rq, rk, rv, cu, causal, window)
+    ref_grads = torch.autograd.grad(ref, (rq, rk, rv), dout)
+    part = lambda t: t.chunk(world, dim=1)[rank]  # noqa: E731
+    lq, lk, lv = (part(t).clone().requires_grad_() for t in (q, k, v))
+    out = dp.doc_packed_attn(lq, lk, lv, cu, causal=causal, window_size=window, cp_group=dist.group.WORLD)
+    grads = torch.autograd.grad(out, (lq, lk, lv), part(dout))
+    return max((out - part(ref)).abs().max().item(), *[(a - part(b)).abs().max().item() for a, b in zip(grads, ref_grads)])
+
+
+def prepared(rank, world):
+    """Prepared layouts plan nothing in the call; a handed plan runs as given; both exact."""
+    S, rng = 64, random.Random(5)
+    group = dist.group.WORLD
+    report = []
+    for i, (causal, window) in enumerate([(True, (-1, -1)), (True, (9, 0)), (False, (6, 11))]):
+        cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S), random_lengths(rng, S)], S, max_docs=S)
+        before = cp.runtime_counts()["schedules"]
+        ready = cp.prepare(cu, group, num_heads=(HQ, HKV), causal=causal, window_size=window, device="cpu")
+        made = cp.runtime_counts()["schedules"] - before
+        err = _run(rank, world, ready, S, causal, window, i)
+        report.append(("prepared", made, cp.runtime_counts()["schedules"] - before - made, err))
+    # a plan made from plain lists (a DataLoader worker's way), pickled, handed back: it runs
+    cu = dp.cu_seqlens_from_lengths([[40, 24], [7, 50, 7]], S, max_docs=4)
+    plan = dp.plan_context_parallel(cu.tolist(), world, num_heads=(HQ, HKV), tolerance=0.5, row_cost=None)
+    plan = pickle.loads(pickle.dumps(plan))
+    cp.prepare(cu, group, num_heads=(HQ, HKV), device="cpu", plan=plan)
+    err = _run(rank, world, cu, S, True, (-1, -1), 7)
+    sch = attention.get_schedule(torch.zeros(2, S // world, HQ, D), torch.zeros(2, S // world, HKV, D), cu, S, True, -1, 0, group.group_name)
+    runtime = dp.plan_context_parallel(cu, world, num_heads=(HQ, HKV))
+    report.append(("handed", sch.plan_tag == hash((plan.q_ranges, plan.kv_ranges)), plan.q_ranges != runtime.q_ranges, err))
+    return report
+
+
+def disagreeing_plans(rank, world):
+    """Rank 0 runs a handed plan, the others the runtime's: every rank raises, nothing moves."""
+    S = 64
+    cu = dp.cu_seqlens_from_lengths([[60, 4]], S)
+    if rank == 0:
+        plan = dp.plan_context_parallel(cu.tolist(), world, num_heads=(HQ, HKV), tolerance=1.0, row_cost=None)
+        cp.prepare(cu, dist.group.WORLD, num_heads=(HQ, HKV), device="cpu", plan=plan)
+    try:
+        _run(rank, world, cu, S, True, (-1, -1), 0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def layout_host_ms(rank, world, layouts, S, rounds):
+    """Per new layout, the host work the first context-parallel call of a step does (layout,
+    plan, this rank's schedule, the agreement's tag), with an intra-op pool as wide as the host
+    (torch's default where the launcher sets nothing) and with one thread, alternating round by
+    round after two unmeasured layouts: (threads, median ms) per setting, each layout new."""
+    settings = (max(2, os.cpu_count() or 1), 1)
+    times: list[list[float]] = [[], []]
+    for i in range(2 * rounds + 2):
+        which = i % 2
+        torch.set_num_threads(settings[which])
+        rng = random.Random(i)
+        cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, rng) for _ in range(layouts)], S, max_docs=S // 8)
+        dist.barrier()  # every rank works at once, as in training
+        t0 = time.perf_counter()
+        layout = get_layout(cu, S)
+        attention.schedule_for(layout, (world, rank, True, -1, 0, 4.0, torch.device("cpu")))
+        attention.layout_tag(layout)
+        if i >= 2:
+            times[which].append((time.perf_counter() - t0) * 1e3)
+    return [(threads, statistics.median(t)) for threads, t in zip(settings, times)]

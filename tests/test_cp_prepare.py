@@ -1,0 +1,178 @@
+"""Context-parallel host work per new layout: made ahead (prepare), thread-independent, no
+kernel compiles after the warm-up (FA4's compile facts on CPU; the real FA4 on a GPU)."""
+
+import pickle
+import random
+
+import pytest
+import torch
+
+import doc_packed as dp
+from cp_prepare_cases import disagreeing_plans, layout_host_ms, prepared
+from doc_packed import cp, kernels
+from doc_packed._doc_layout import get_layout
+from doc_packed.cp import attention
+from doc_packed.cp.plan import runtime_plan
+from doc_packed.cp.schedule import build_schedule, call_masks
+from doc_packed.cp.warmup import warm_specs
+from doc_packed.kernels import fa4
+
+
+def test_plan_context_parallel_is_the_runtime_plan_and_a_value():
+    S = 4096
+    cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 300, seed=3)], S)
+    plan = dp.plan_context_parallel(cu, 4, num_heads=(16, 4))
+    assert plan is runtime_plan(get_layout(cu, S), 4, True, -1, 0, 4.0)  # what the runtime runs
+    assert plan.query_cost == 4.0 and plan.row_cost == cp.ROW_COST and plan.tolerance == cp.TOLERANCE
+    again = pickle.loads(pickle.dumps(plan))
+    assert again == plan and again.documents == get_layout(cu, S).rows
+    assert dp.plan_context_parallel(cu.tolist(), 4, query_cost=4.0) == plan  # lists, no tensor: same plan
+    with pytest.raises(TypeError, match="not both"):
+        dp.plan_context_parallel(cu, 4, num_heads=(16, 4), query_cost=4.0)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        dp.plan_context_parallel(cu, 4, num_heads=(6, 4))
+
+
+def test_schedule_host_work_runs_no_torch_compute():
+    """Building a layout's plan and schedule dispatches no torch op but views of its one index
+    copy: nothing that could fan out over the intra-op thread pool."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    S = 32768
+    cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, seed=b) for b in range(4)], S, max_docs=S // 8)
+    with Ops():
+        layout = get_layout(cu, S)
+        for r in range(4):
+            sch = attention.schedule_for(layout, (4, r, True, -1, 0, 4.0, torch.device("cpu")))
+            assert sch.stage_b  # a real schedule: keys and queries move
+        attention.layout_tag(layout)
+    assert seen <= {"aten::slice.Tensor", "aten::detach", "aten::lift_fresh", "aten::_to_copy", "aten::alias"}, seen
+
+
+@pytest.mark.slow
+def test_per_layout_host_time_does_not_depend_on_threads(run_ranks):
+    """4 ranks at once (more threads than cores at the default setting): the per-layout host
+    path at default threads within 1.5x of one thread (it was 24-300x on 64 cores: torch CPU ops)."""
+    results = run_ranks(layout_host_ms, 4, 4, 32768, 12)
+    for rank, ((threads, default_ms), (_, one_ms)) in enumerate(results):
+        assert default_ms <= 1.5 * one_ms + 2.0, f"rank {rank}: {default_ms:.2f} ms at {threads} threads, {one_ms:.2f} at 1"
+
+
+@pytest.mark.slow
+def test_prepared_layouts_plan_nothing_in_the_call(run_ranks):
+    for rank, report in enumerate(run_ranks(prepared, 2)):
+        for kind, a, b, err in report:
+            assert err < 1e-10, (rank, kind, err)
+            if kind == "prepared":
+                assert (a, b) == (1, 0), f"rank {rank}: prepare built {a} schedules, the call {b}"
+            else:
+                assert a and b, f"rank {rank}: the handed plan (a different one) was not the one run"
+
+
+@pytest.mark.slow
+def test_ranks_running_different_plans_refuse_together(run_ranks):
+    errors = run_ranks(disagreeing_plans, 2)
+    assert all(e is not None and "plan" in e for e in errors), errors
+
+
+def test_prepare_checks_the_plan():
+    cu = dp.cu_seqlens_from_lengths([[40, 24]], 64)
+    other = dp.plan_context_parallel([[0, 30, 64]], 2)
+    with pytest.raises(TypeError, match="cp_group"):
+        cp.prepare(cu, 3, num_heads=(4, 2))  # type: ignore[arg-type]
+    from doc_packed.cp import prepared as prep
+
+    layout = get_layout(cu, 64)
+    with pytest.raises(ValueError, match="other cu_seqlens values"):
+        prep._check_plan(other, layout, 2, True, (-1, 0), 1.0)
+    with pytest.raises(ValueError, match="cp_size 2 .this call: 4"):
+        prep._check_plan(dp.plan_context_parallel(cu, 2), layout, 4, True, (-1, 0), 1.0)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (100, 0)), (False, (-1, -1)), (False, (50, 30)), (False, (-1, 20))])
+def test_no_kernel_kind_beyond_the_warm_up(causal, window):
+    """FA4 stand-in on CPU: over 50 random layouts and CP 2-8, every kernel call of every rank's
+    schedule is of a kind (FA4 4.0.0b36's compile facts) the warm-up built."""
+    left, right = window[0], 0 if causal else window[1]
+    warmed = {fa4.compile_facts(s) for s in warm_specs(causal, left, right)}
+    assert len(warm_specs(causal, left, right)) == 2 * len(call_masks(causal, left, right))
+    rng = random.Random(hash((causal, window)) & 0xFFFF)
+    seen = set()
+    for _ in range(50):
+        S = rng.choice([512, 2048, 8192])
+        mean = rng.choice([8, 64, 300, S])
+        lengths = [dp.lognormal_lengths(S, mean, rng) for _ in range(rng.choice([1, 2]))]
+        cu = dp.cu_seqlens_from_lengths(lengths, S)
+        c = rng.choice([2, 4, 8])
+        plan = runtime_plan(get_layout(cu, S), c, causal, left, right, 2.0)
+        for r in range(c):
+            for call in (*(sch := build_schedule(plan, r, torch.device("cpu"))).stage_a, *sch.stage_b):
+                facts = fa4.compile_facts(call.spec)
+                if facts is not None:
+                    seen.add(facts)
+    assert seen <= warmed, seen - warmed
+    assert len(seen) >= 2  # the layouts did produce several kinds
+
+
+def test_fa4_bounds_never_under_a_tile():
+    """Every spec FA4 gets passes max_seqlen_q/k of at least MAX_SEQLEN_FLOOR (one kernel per
+    kind, whatever the layout), still upper bounds of the real lengths."""
+    from doc_packed.kernels import VarlenSpec
+
+    spec = VarlenSpec([0, 3, 5], [0, 10, 12], True, -1, 0)
+    args = fa4._build_args(spec, torch.device("cpu"), 0.1)
+    assert (args["max_seqlen_q"], args["max_seqlen_k"]) == (fa4.MAX_SEQLEN_FLOOR,) * 2
+    big = VarlenSpec([0, 1000], [0, 1000], True, -1, 0)
+    assert fa4._build_args(big, torch.device("cpu"), 0.1)["max_seqlen_q"] == 1000
+
+
+def test_warmup_skips_backends_without_a_compiler():
+    q = torch.zeros(1, 8, 4, 8)
+    k = torch.zeros(1, 8, 2, 8)
+    from doc_packed.cp.warmup import warmup
+
+    assert warmup(q, k, k, True, -1, 0) == 0  # CPU: the math kernel, nothing to build
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not fa4.available(), reason="needs a GPU with FA4")
+def test_fa4_compiles_nothing_after_warm_up_on_gpu():
+    """The real FA4: after the warm-up, 50 random layouts' schedules (CP 4, every rank's calls,
+    forward and backward) add no entry to any of FA4's compile caches."""
+    import importlib
+
+    iface = importlib.import_module(fa4.MODULE)
+    caches = [getattr(f, "compile_cache") for f in vars(iface).values() if hasattr(f, "compile_cache")]
+
+    def compiled():
+        return sum(len(c.cache) if hasattr(c, "cache") else len(c) for c in caches)
+
+    dev = torch.device("cuda")
+    Hq, Hkv, D = 16, 4, 128
+    q = torch.randn(1, 64, Hq, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 64, Hkv, D, device=dev, dtype=torch.bfloat16)
+    from doc_packed.cp.warmup import warmup
+
+    warmup(q, k, k, True, -1, 0)
+    after_warmup = compiled()
+    rng = random.Random(0)
+    for _ in range(50):
+        S = rng.choice([8192, 32768])
+        cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, rng.choice([64, 512, 2048]), rng)], S)
+        plan = runtime_plan(get_layout(cu, S), 4, True, -1, 0, Hq / Hkv)
+        for r in range(4):
+            sch = build_schedule(plan, r, dev)
+            for call in (*sch.stage_a, *sch.stage_b):
+                nq, nk = call.q1 - call.q0, call.k1 - call.k0
+                qq = torch.randn(nq, Hq, D, device=dev, dtype=torch.bfloat16)
+                kk = torch.randn(nk, Hkv, D, device=dev, dtype=torch.bfloat16)
+                out, lse = kernels.forward(call.spec, qq, kk, kk, D**-0.5, "fa4")
+                kernels.backward(call.spec, out, qq, kk, kk, out, lse, D**-0.5, "fa4")
+    assert compiled() == after_warmup, f"{compiled() - after_warmup} kernels compiled after the warm-up"
