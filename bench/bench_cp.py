@@ -138,14 +138,17 @@ def _recv_bytes(plan, r: int, kv_bytes: int) -> int:
 # ----------------------------------------------------------------------------- worker
 
 
-def layouts(S: int, world: int, packing: str, means: list[int], one_doc_max: int) -> list[tuple[str, list[int]]]:
+def layouts(
+    S: int, world: int, packing: str, means: list[int], one_doc_max: int, draw: int = 0
+) -> list[tuple[str, list[int]]]:
     """(name, segment lengths of the row) to time: one document (up to ``one_doc_max``), then
     lognormal documents of each mean in ``means``. ``packing``: ``greedy`` keeps the drawn
     order (first-fit of one row), ``cp`` reorders the same documents with
-    ``doc_packed.pack_order(..., cp_size=world)``, ``both`` times each."""
+    ``doc_packed.pack_order(..., cp_size=world)``, ``both`` times each. ``draw``: another draw
+    of the same distributions (a new layout; one document stays one document)."""
     out = [("one doc", [S])] if S <= one_doc_max else []
     for mean in means:
-        drawn = lognormal_lengths(S, mean, seed=S)
+        drawn = lognormal_lengths(S, mean, seed=S + 7919 * draw)
         name = f"lognormal {mean // 1024}k" if mean % 1024 == 0 else f"lognormal {mean}"
         if packing in ("greedy", "both"):
             out.append((name, drawn))
@@ -298,6 +301,43 @@ def worker(
             res["one_gpu"] = {"fwd_ms": time_ms(lambda: one_gpu(False), warm, iters), "fwdbwd_ms": time_ms(lambda: one_gpu(True), warm, iters)}
             res["one_gpu"]["kernel"] = backend_for(q, k, cu)
             res["ours"] = {"fwd_ms": time_ms(lambda: ours(False), warm, iters), "fwdbwd_ms": time_ms(lambda: ours(True), warm, iters)}
+            # what training pays: a new layout every call, prepared a call ahead (as a data loader
+            # would: doc_packed.cp.prepare) or planned in the call; the one-GPU op gets new
+            # layouts too (its own per-layout work)
+            draws = iter(range(1, 1 << 30))
+            index = [i for i, (nm, _) in enumerate(layouts(S, world, packing, list(means), one_doc_max)) if nm == name][0]
+
+            def new_layout(cp: bool, prepared: bool):
+                def host_cu():
+                    lens = layouts(S, world, packing, list(means), one_doc_max, draw=next(draws))[index][1]
+                    return dp.cu_seqlens_from_lengths([lens], S, max_docs=cu.shape[1] - 1)
+
+                def ready(c):
+                    if not prepared:
+                        return c.to(dev)
+                    return dp.cp.prepare(c, group if cp else None, num_heads=(HQ, HKV) if cp else None, device=dev)
+
+                state = {"next": ready(host_cu())}
+
+                def call():
+                    c = state["next"]
+                    if cp:
+                        lq, lk, lv = (t[:, sl].detach().requires_grad_() for t in (q, k, v))
+                        o = dp.doc_packed_attn(lq, lk, lv, c, cp_group=group)
+                        o.backward(dout[:, sl])
+                    else:
+                        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                        dp.doc_packed_attn(qq, kk, vv, c).backward(dout)
+                    state["next"] = ready(host_cu())  # the next layout's host work, this one queued
+
+                return call
+
+            counts = dp.cp.runtime_counts()
+            res["one_gpu"]["new_fwdbwd_ms"] = time_ms(new_layout(False, True), warm, iters)
+            res["ours"]["new_fwdbwd_ms"] = time_ms(new_layout(True, True), warm, iters)
+            res["ours"]["new_unprepared_fwdbwd_ms"] = time_ms(new_layout(True, False), warm, iters)
+            after = dp.cp.runtime_counts()
+            res["ours"]["new_host"] = {k: after[k] - counts[k] for k in after}
             res["allgather"] = {"fwd_ms": time_ms(lambda: allgather(False), warm, iters), "fwdbwd_ms": time_ms(lambda: allgather(True), warm, iters)}
             # keep-vs-refetch: what the backward's second exchange costs, and what keeping the
             # forward's buffers instead would hold per layer (K, V, moved q and out, lse)
@@ -324,11 +364,8 @@ def worker(
                 res["ours"]["profile"] = every
             res["ours"]["refetch_ms"] = time_ms(refetch, warm, iters)
             res["ours"]["keep_MB"] = sum(x.numel() * x.element_size() for x in refetch()) / 2**20
-            from doc_packed.cp import attention as cp_attention  # the plan the runtime makes
 
-            plan = dp.plan_context_parallel(
-                cu.cpu(), world, query_cost=HQ / HKV, tolerance=cp_attention.TOLERANCE, row_cost=cp_attention.ROW_COST
-            )
+            plan = dp.plan_context_parallel(cu.cpu(), world, num_heads=(HQ, HKV))
             kv_bytes = 2 * HKV * D * 2
             res["ours"]["recv_MB_fwd"] = max(_recv_bytes(plan, r, kv_bytes) for r in range(world)) / 2**20
             res["allgather"]["recv_MB_fwd"] = (S - S // world) * kv_bytes / 2**20
@@ -366,6 +403,15 @@ def worker(
         except Exception:
             fa4 = "  flash-attn-4 absent"
         print(f"\ndevice: {device}  torch {torch.__version__}{fa4}  {DTYPE} Hq={HQ} Hkv={HKV} D={D} B=1")
+        print("A new layout every call (what training pays; prepared a call ahead, or planned in the call) and one layout reused:")
+        print("| S | layout | 1 GPU new f+b ms | ours new f+b ms | per GPU new | ours new, planned in call ms | per GPU | per GPU reused |")
+        print("|" + "---|" * 8)
+        for r in rows:
+            o, s1, w = r["ours"], r["one_gpu"], r["gpus"]
+            print(f"| {r['S'] // 1024}k | {r['layout']} | {s1['new_fwdbwd_ms']:.1f} | {o['new_fwdbwd_ms']:.1f} | "
+                  f"{s1['new_fwdbwd_ms'] / (w * o['new_fwdbwd_ms']):.2f} | {o['new_unprepared_fwdbwd_ms']:.1f} | "
+                  f"{s1['new_fwdbwd_ms'] / (w * o['new_unprepared_fwdbwd_ms']):.2f} | {s1['fwdbwd_ms'] / (w * o['fwdbwd_ms']):.2f} |")
+        print("\nOne layout reused (planned once):")
         print("| S | layout | 1 GPU kernel | 1 GPU f+b ms | ours f+b ms | speedup | per GPU | all-gather f+b ms | per GPU | ours/all-gather | ours fwd per GPU | ours MB in | all-gather MB in | imbalance | max rel err | refetch ms | keep MB |")
         print("|" + "---|" * 17)
         for r in rows:

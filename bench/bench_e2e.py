@@ -18,6 +18,16 @@ The solver is told the real topology (``shardings.autoparallel.cost_model_for``:
 ``--gpus-per-host`` GPUs; AutoParallel's own detection falls back to an 87.7 GB/s link model
 on meshes that are not a multiple of 8 GPUs) and prices attention from the measured rates
 (``shardings.costs.pricing`` with the first batch's real cu_seqlens).
+Training pays for a new document layout every step, as here: each step's batch has its own
+``cu_seqlens``, kept on the host by the data side, and the next step's is handed to
+``doc_packed.cp.prepare`` while the current step's work is queued (plan and schedule made off the
+critical path, the device copy registered: no read back). ``--no-prepare`` moves each step's
+``cu_seqlens`` to the device in the step instead (the runtime plans in the first attention call).
+Each mode is timed twice on the same placed module, with the intra-op thread pool the launcher
+left (``torch.multiprocessing.spawn``: as wide as the host; ``torchrun``: 1 unless
+OMP_NUM_THREADS says otherwise) and with one thread (``--threads``), printing every step's time,
+the slowest over the median, and what the steps cost the host (schedules built, device reads).
+Launch with ``--gpus N`` (spawn) or under ``torchrun --nproc-per-node N bench/bench_e2e.py``.
 Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
 Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]``.
 """
@@ -63,15 +73,16 @@ MODES = {
 }
 
 
-def make_batches(n, cfg, B, S, mean_doc, device):
-    """``n`` steps of (tokens, targets, cu_seqlens): lognormal documents, a new layout per step."""
+def make_batches(n, cfg, B, S, mean_doc, device, seed=0):
+    """``n`` steps of (tokens, targets, cu_seqlens on the host): lognormal documents, a new layout
+    per step (the data side has the layout on the host before the step)."""
     batches = []
-    for step in range(n):
+    for step in range(seed, seed + n):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, cfg["vocab"], (B, S), generator=g)
         targets = torch.randint(0, cfg["vocab"], (B, S), generator=g)
         cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=S // 8)
-        batches.append((tokens.to(device), targets.to(device), cu.to(device)))
+        batches.append((tokens.to(device), targets.to(device), cu))
     return batches
 
 
@@ -92,6 +103,7 @@ def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
     for kind, m in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
         def step(i):
             tokens, targets, cu = batches[i]
+            cu = dp.cp.prepare(cu, None, device=device)  # validated, on the device, registered
             loss = torch.nn.functional.cross_entropy(m(tokens, cu).flatten(0, 1).float(), targets.flatten())
             loss.backward()
             opt.step()
@@ -114,7 +126,8 @@ def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
     return out
 
 
-def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path):
+def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path,
+             thread_settings, use_prepare):
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -172,11 +185,31 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
     out_pl = tok_pl if tok_words is not None else None
 
-    def step(i):
-        tokens, targets, cu = batches[i]
+    cp_calls = _cp_calls(autop.gm, cfg)
+    ready: dict[int, torch.Tensor] = {}
+
+    def local_cu(i):
+        """Batch ``i``'s cu_seqlens as this rank's model takes it, on the device: prepared (the
+        plan and schedule of each context-parallel call made now), or just moved there."""
+        cu = batches[i][2]
+        for d, p in enumerate(cu_pl):  # rows sharded where the tokens are batch-sharded
+            if p == Shard(0):
+                cu = cu.chunk(mesh.size(d), 0)[mesh.get_local_rank(d)]
+        if not use_prepare:
+            return cu.to(device)
+        out = dp.cp.prepare(cu, None, device=device)
+        for group, heads, causal, window in cp_calls:
+            out = dp.cp.prepare(out if device.type != "cpu" else cu, group, num_heads=heads, causal=causal,
+                                window_size=window, device=device)
+        return out
+
+    def step(i, n):
+        tokens, targets, _ = batches[i]
+        lc = ready.pop(i) if i in ready else local_cu(i)
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
-        lc = distribute_tensor(cu, mesh, cu_pl).to_local()
         logits = model(lt, lc)
+        if i + 1 < n:  # the next batch's host work while this step's is queued
+            ready[i + 1] = local_cu(i + 1)
         # the logits come out in the tokens' placement (constrained), or were left to the solver
         # on a 1-D mesh: then tell batch from sequence sharding by the local shape
         if out_pl is not None:
@@ -193,37 +226,77 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         opt.zero_grad(set_to_none=True)
         return loss
 
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        step(i)
-    first_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    # per-step times from events between steps (no extra sync): a step that compiles a kernel
-    # for a layout not seen before (each step has a new one) shows up as an outlier
-    marks: list = []
-    t0 = time.perf_counter()
-    for i in range(warmup, warmup + steps):
+    timed: dict[str, dict] = {}
+    first_s = 0.0
+    for j, threads in enumerate(thread_settings):
+        torch.set_num_threads(threads)
+        if j:  # each setting gets layouts of its own (new ones every step: nothing planned before)
+            batches[:] = make_batches(warmup + steps, cfg, B, S, mean_doc, device, seed=1000 * j)
+        ready.clear()
+        t0 = time.perf_counter()
+        for i in range(warmup):
+            step(i, warmup)
+        first_s = first_s or time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        # per-step times from events between steps (no extra sync): a step that compiles a kernel
+        # or plans on the critical path shows up as an outlier
+        before = dp.cp.runtime_counts()
+        marks: list = []
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            marks.append(_mark(device))
+            loss = step(i, warmup + steps)
         marks.append(_mark(device))
-        loss = step(i)
-    marks.append(_mark(device))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    dt = (time.perf_counter() - t0) / steps
-    per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        after = dp.cp.runtime_counts()
+        dt = (time.perf_counter() - t0) / steps
+        per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
+        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss),
+                                   host={k: after[k] - before[k] for k in after})
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
-    res = dict(mode=mode, compile=str(choice), step_s=dt, tokens_per_s=B * S / dt, plan_s=plan_s, warmup_s=first_s,
-               flops=step_flops(cfg, batches[warmup:], S), loss=float(loss), attention=layout,
+    head = timed[str(thread_settings[0])]
+    res = dict(mode=mode, compile=str(choice), step_s=head["step_s"], tokens_per_s=head["tokens_per_s"], plan_s=plan_s,
+               warmup_s=first_s, flops=step_flops(cfg, batches[warmup:], S), loss=head["loss"], attention=layout,
                inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
                cp=[c.cp for c in choices if c.cp][:1], predicted_step_s=predicted.total_us * 1e-6,
-               predicted=str(predicted), step_times_s=per_step)
+               predicted=str(predicted), step_times_s=head["step_times_s"], threads=timed, prepare=use_prepare)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _cp_calls(gm, cfg) -> list[tuple[str, tuple[int, int], bool, tuple[int, int]]]:
+    """The distinct context-parallel calls of a placed graph: (group name, (H_q, H_kv), causal,
+    window) of each attention node that lowering gave a cp_group (what prepare() needs)."""
+    from doc_packed.ops import arg_index
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "doc_packed":
+            continue
+        try:
+            arg_index(node.target, "cp_group")
+        except (KeyError, ValueError):  # a doc_packed op without one
+            continue
+
+        def arg(name):
+            i = arg_index(node.target, name)
+            return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+        group = arg("cp_group")
+        if group is None:
+            continue
+        call = (group, (cfg["n_heads"], cfg["n_kv_heads"]), bool(arg("causal")),
+                (int(arg("window_left")), int(arg("window_right"))))
+        if call not in out:
+            out.append(call)
+    return out
 
 
 def _mark(device):
@@ -240,6 +313,9 @@ def _elapsed_s(a, b) -> float:
 
 
 def worker(rank, world, port, args):
+    launched_threads = torch.get_num_threads()  # what the launcher left: spawn = the host's width
+    settings = {"both": (launched_threads, 1), "launched": (launched_threads,), "1": (1,)}[args.threads]
+    settings = tuple(dict.fromkeys(settings))  # one entry when the launcher already gave one thread
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     patch_autoparallel_for_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -248,10 +324,12 @@ def worker(rank, world, port, args):
         device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
         cfg = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
     else:
-        torch.cuda.set_device(rank)
-        device, dtype, backend = torch.device("cuda", rank), torch.bfloat16, "nccl"
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
         cfg = dict(vocab=8192, dim=args.dim, n_heads=args.dim // 128, n_kv_heads=max(1, args.dim // 512), n_layers=args.layers)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"  # torchrun: its rendezvous
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else (world,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(args.names.split(",")))
     anchor = None
@@ -263,7 +341,7 @@ def worker(rank, world, port, args):
     for mode in args.modes.split(","):
         try:
             r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
-                         args.compile, args.gpus_per_host or world, args.rates)
+                         args.compile, args.gpus_per_host or world, args.rates, settings, not args.no_prepare)
         except Exception as e:  # report and go on with the next mode
             import traceback
 
@@ -280,25 +358,33 @@ def worker(rank, world, port, args):
             for kind in ("eager", "compiled"):
                 print(f"one GPU, plain model {kind}: [1, {args.seq}] {anchor[kind + '_step_s']:.3f} s/step, "
                       f"{anchor[kind + '_tokens_per_s']:.0f} tokens/s, MFU {anchor['flops'] / anchor[kind + '_step_s'] / peak:.2f}")
-        print("| mode | compile | attention layout (fwd) | inputs (tokens, cu) | step s | tokens/s | per GPU vs plain eager "
-              "| vs plain compiled | MFU | predicted step s | predicted MFU | vs dp |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        base = next((r["tokens_per_s"] for r in rows if r.get("mode") == "dp" and "tokens_per_s" in r), None)
+        launcher = "torchrun" if port is None else "torch.multiprocessing.spawn"
+        print(f"launcher: {launcher}; intra-op threads as launched: {launched_threads}; "
+              f"cu_seqlens {'prepared a step ahead' if not args.no_prepare else 'moved in the step'}")
+        print("| mode | threads | attention layout (fwd) | inputs (tokens, cu) | step ms | slowest / median | per GPU vs "
+              "plain eager | vs plain compiled | MFU | predicted ms | measured / predicted | schedules built in "
+              "calls, device reads per step | vs launched threads |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | | | | | |")
+                print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | | | | | | |")
                 continue
-            rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-            per_gpu = r["tokens_per_s"] / world
-            vs = [f"{per_gpu / anchor[k + '_tokens_per_s']:.2f}" if anchor else "-" for k in ("eager", "compiled")]
-            mfu = r["flops"] / r["step_s"] / (world * peak)
-            pmfu = r["flops"] / r["predicted_step_s"] / (world * peak)
-            print(f"| {r['mode']} | {r['compile'].split(':')[0]} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
-                  f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
-                  f"| {r['predicted_step_s']:.3f} | {pmfu:.2f} | {rel} |")
+            first = None
+            for threads, t in r["threads"].items():
+                times = sorted(t["step_times_s"])
+                median = times[len(times) // 2]
+                per_gpu = t["tokens_per_s"] / world
+                vs = [f"{per_gpu / anchor[k + '_tokens_per_s']:.2f}" if anchor else "-" for k in ("eager", "compiled")]
+                mfu = r["flops"] / t["step_s"] / (world * peak)
+                host = ", ".join(f"{t['host'][k] / args.steps:.1f}" for k in ("schedules_in_calls", "device_reads"))
+                first = first or t["step_s"]
+                print(f"| {r['mode']} | {threads} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
+                      f"| {1e3 * t['step_s']:.1f} | {times[-1] / median:.2f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
+                      f"| {1e3 * r['predicted_step_s']:.1f} | {t['step_s'] / r['predicted_step_s']:.2f} | {host} "
+                      f"| {t['step_s'] / first:.2f} |")
         for r in rows:
-            if "step_times_s" in r:
-                print(f"{r['mode']}: step times ms " + " ".join(f"{1e3 * t:.1f}" for t in r["step_times_s"]))
+            for threads, t in r.get("threads", {}).items():
+                print(f"{r['mode']} ({threads} threads): step times ms " + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"]))
         for r in rows:
             if "predicted" in r:
                 print(f"{r['mode']}: step model {r['predicted']}")
@@ -328,9 +414,15 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")
     ap.add_argument("--gpus-per-host", type=int, default=None, help="GPUs per host for the cost model (default: all)")
     ap.add_argument("--rates", default=None, help="rates file of the step model (default shardings/h200_rates.json)")
+    ap.add_argument("--threads", default="both", choices=["both", "launched", "1"],
+                    help="time each mode with the launcher's intra-op threads and/or one thread")
+    ap.add_argument("--no-prepare", action="store_true", help="move each step's cu_seqlens in the step (no prepare)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

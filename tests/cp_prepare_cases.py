@@ -43,11 +43,11 @@ def prepared(rank, world):
     report = []
     for i, (causal, window) in enumerate([(True, (-1, -1)), (True, (9, 0)), (False, (6, 11))]):
         cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S), random_lengths(rng, S)], S, max_docs=S)
-        before = cp.runtime_counts()["schedules"]
+        before, in_calls = cp.runtime_counts()["schedules"], cp.runtime_counts()["schedules_in_calls"]
         ready = cp.prepare(cu, group, num_heads=(HQ, HKV), causal=causal, window_size=window, device="cpu")
         made = cp.runtime_counts()["schedules"] - before
         err = _run(rank, world, ready, S, causal, window, i)
-        report.append(("prepared", made, cp.runtime_counts()["schedules"] - before - made, err))
+        report.append(("prepared", made, cp.runtime_counts()["schedules_in_calls"] - in_calls, err))
     # a plan made from plain lists (a DataLoader worker's way), pickled, handed back: it runs
     cu = dp.cu_seqlens_from_lengths([[40, 24], [7, 50, 7]], S, max_docs=4)
     plan = dp.plan_context_parallel(cu.tolist(), world, num_heads=(HQ, HKV), tolerance=0.5, row_cost=None)

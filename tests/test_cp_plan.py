@@ -156,7 +156,7 @@ def test_row_prices_move_pairs_off_the_ranks_that_read_remote_keys(c):
     the most extra rows gives pairs to the one with the fewest."""
     S = 16384
     cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, 2048, random.Random(c))], S)
-    base = dp.plan_context_parallel(cu, c, query_cost=4.0)
+    base = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=None)
     priced = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=ROW_COST)
     for plan in (base, priced):
         rows = _extra_rows_by_hand(plan, cu, S, True, (-1, -1))
@@ -178,7 +178,7 @@ def test_row_priced_plan_is_never_priced_higher_than_the_pairs_only_plan(c, mean
     S = 16384
     for seed in range(3):
         cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean, random.Random(seed))], S)
-        base = dp.plan_context_parallel(cu, c, query_cost=4.0)
+        base = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=None)
         priced = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=ROW_COST)
         assert max(priced.priced(ROW_COST)) <= max(base.priced(ROW_COST))
 

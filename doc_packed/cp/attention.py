@@ -99,7 +99,9 @@ def get_schedule(
         if layout.batch != B:
             raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
         key = (size, rank, causal, left, right, float(Hq / Hkv), q.device)
+        built = _COUNTS["schedules"]
         schedule = schedule_for(layout, key, prefixes)
+        _COUNTS["in_calls"] += _COUNTS["schedules"] - built  # nothing prepared this layout
         fields["plan"] = schedule.plan_tag  # a plan handed to prepare() must be every rank's
         if backend not in kernels.AUTO_MODES:
             _check_backend(layout, key, schedule, backend, q, Hkv)
@@ -148,12 +150,13 @@ def schedule_for(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
     return layout.derived(("cp_schedule", *key, *tail), build)
 
 
-_COUNTS = {"schedules": 0}
+_COUNTS = {"schedules": 0, "in_calls": 0}
 
 
-def schedules_built() -> int:
-    """How many plans-and-schedules this process made (:func:`doc_packed.cp.runtime_counts`)."""
-    return _COUNTS["schedules"]
+def schedules_built() -> tuple[int, int]:
+    """How many plans-and-schedules this process made, and how many of them inside an attention
+    call (nothing prepared them; :func:`doc_packed.cp.runtime_counts`)."""
+    return _COUNTS["schedules"], _COUNTS["in_calls"]
 
 
 def _check_backend(

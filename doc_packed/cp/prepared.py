@@ -29,9 +29,9 @@ __all__ = ["prepare", "runtime_counts"]
 
 def prepare(
     cu_seqlens: torch.Tensor,
-    cp_group: dist.ProcessGroup | str,
+    cp_group: dist.ProcessGroup | str | None,
     *,
-    num_heads: tuple[int, int],
+    num_heads: tuple[int, int] | None = None,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     device: torch.device | str | None = None,
@@ -43,9 +43,11 @@ def prepare(
     Args:
         cu_seqlens: the whole rows' ``[B, MAX_DOCS + 1]`` layout, on the CPU (a device tensor
             is read back once: a sync, which is what this call exists to avoid).
-        cp_group: the context-parallel process group (or its name) the attention runs over.
+        cp_group: the context-parallel process group (or its name) the attention runs over;
+            None: no context parallelism (only the layout is validated and registered, which
+            spares local calls their one read back per new device tensor too).
         num_heads: ``(H_q, H_kv)`` of the attention (any tensor-parallel split of both: the
-            plan depends on their ratio).
+            plan depends on their ratio); needed with a ``cp_group``.
         causal, window_size: the attention's mask, as passed to ``doc_packed_attn``; layers
             with another mask: call again with the returned tensor (nothing is copied again).
         device: where the attention runs (default: the current accelerator, else the CPU).
@@ -58,11 +60,6 @@ def prepare(
         read back of a device tensor).
     """
     cu = check_cu_seqlens(cu_seqlens)
-    name = cp_group if isinstance(cp_group, str) else getattr(cp_group, "group_name", None)
-    if not isinstance(name, str):
-        raise TypeError(f"cp_group must be a ProcessGroup or a group name, got {type(cp_group).__name__}")
-    rank, size = comm.group_info(name)
-    qc = query_cost_of(num_heads, None)
     left, right = check_window(causal, window_size)
     dev = _device(device)
     host = cu.detach()
@@ -72,6 +69,27 @@ def prepare(
     else:  # a tensor prepared before (another mask) is found without a read
         seq_len = _seq_len(cu)
         layout = _doc_layout.get_layout(cu, seq_len)
+    if cp_group is not None:
+        _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan)
+    elif plan is not None or num_heads is not None:
+        raise ValueError("plan and num_heads are for context parallelism: pass cp_group too")
+    if host.device.type != "cpu" or dev.type == "cpu":
+        return cu
+    moved = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    _doc_layout.register(moved, host, seq_len)
+    return moved
+
+
+def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) -> None:
+    name = cp_group if isinstance(cp_group, str) else getattr(cp_group, "group_name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"cp_group must be a ProcessGroup, a group name or None, got {type(cp_group).__name__}")
+    if num_heads is None:
+        raise TypeError(
+            "num_heads=(H_q, H_kv) is needed with a cp_group (the plan weighs moving queries by H_q / H_kv)"
+        )
+    qc = query_cost_of(num_heads, None)
+    rank, size = comm.group_info(name)
     key = (size, rank, causal, left, right, qc, dev)
     if plan is None:
         attention.schedule_for(layout, key)
@@ -80,18 +98,15 @@ def prepare(
         if plan is not runtime_plan(layout, size, causal, left, right, qc):
             layout.put(("cp_schedule", *key), build_schedule(plan, rank, dev))
     attention.layout_tag(layout)  # what every call's agreement sends, computed once
-    if host.device.type != "cpu" or dev.type == "cpu":
-        return cu
-    moved = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-    _doc_layout.register(moved, host, seq_len)
-    return moved
 
 
 def runtime_counts() -> dict[str, int]:
     """What this process's context-parallel calls cost the host so far: ``schedules`` built
-    (a plan and one rank's schedule each; :func:`prepare`'s count too) and ``device_reads`` of a
-    ``cu_seqlens`` that nothing had registered (each one a device sync)."""
-    return {"schedules": attention.schedules_built(), "device_reads": _doc_layout.device_reads()}
+    (a plan and one rank's schedule each, :func:`prepare`'s included), ``schedules_in_calls``
+    (those an attention call had to build: its layout was not prepared) and ``device_reads`` of
+    a ``cu_seqlens`` that nothing had registered (each one a device sync)."""
+    built, in_calls = attention.schedules_built()
+    return {"schedules": built, "schedules_in_calls": in_calls, "device_reads": _doc_layout.device_reads()}
 
 
 def _seq_len(cu: torch.Tensor) -> int:

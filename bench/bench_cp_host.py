@@ -1,0 +1,84 @@
+"""Host time per new layout of a context-parallel call, several ranks per host, by thread setting.
+
+What the first context-parallel call of a step does on the host when its layout is new (read
+the layout, plan, build this rank's schedule and queue its device indices, the agreement's
+tag), timed in ``--ranks`` processes at once (as ranks share a host in training), alternating
+layout by layout between the intra-op thread pool the launcher leaves (``torch.multiprocessing``:
+as wide as the host) and one thread. Every layout is new. The anchor is the one-thread figure of
+the same run: the ratio says how much the thread pool costs. ``--device cuda`` queues the
+indices on the rank's GPU as the runtime does.
+Usage: ``python bench/bench_cp_host.py [--ranks 4] [--layouts 20] [--device cpu|cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import doc_packed as dp
+from doc_packed._doc_layout import get_layout
+from doc_packed.cp import attention
+
+CASES = ((4, 32768), (1, 131072))  # (rows, S): the issue's 4 x 32k and 1 x 128k, CP over --ranks
+HQ, HKV = 16, 4
+
+
+def _schedule(layout, world, rank, device):
+    """This rank's schedule (the runtime's entry point; older trees: their private one)."""
+    if hasattr(attention, "schedule_for"):
+        return attention.schedule_for(layout, (world, rank, True, -1, 0, HQ / HKV, device))
+    return attention._schedule(layout, (world, rank, True, -1, 0, HQ, HKV, device))  # before prepare()
+
+
+def rank_main(rank, world, args, barrier, queue):
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
+    settings = (torch.get_num_threads(), 1)
+    for B, S in CASES:
+        times: list[list[float]] = [[], []]
+        for i in range(2 * args.layouts + 2):
+            which = i % 2
+            torch.set_num_threads(settings[which])
+            rng = random.Random(hash((B, S, i)) & 0xFFFFFFF)
+            cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, rng) for _ in range(B)], S, max_docs=S // 8)
+            barrier.wait()
+            t0 = time.perf_counter()
+            layout = get_layout(cu, S)
+            _schedule(layout, world, rank, device)
+            tag = getattr(attention, "layout_tag", None) or (lambda lay: attention._layout_tag(lay))
+            tag(layout)
+            if i >= 2:
+                times[which].append((time.perf_counter() - t0) * 1e3)
+        queue.put((rank, B, S, settings, [(statistics.median(t), max(t)) for t in times]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layouts", type=int, default=20)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(args.ranks), ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, args, barrier, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    rows = sorted(queue.get() for _ in range(args.ranks * len(CASES)))
+    for p in procs:
+        p.join()
+    print(f"host: {os.cpu_count()} CPUs, {args.ranks} ranks at once, torch {torch.__version__}, doc_packed from "
+          f"{os.path.dirname(dp.__file__)}, device {args.device}, lognormal mean 2k, Hq/Hkv {HQ}/{HKV}")
+    print("| B x S | CP | rank | threads as launched | ms per new layout (median / max) | one thread (median / max) | launched / one |")
+    print("|---|---|---|---|---|---|---|")
+    for rank, B, S, settings, ((m0, x0), (m1, x1)) in sorted(rows, key=lambda r: (r[1], r[0])):
+        print(f"| {B} x {S // 1024}k | {args.ranks} | {rank} | {settings[0]} | {m0:.2f} / {x0:.2f} | {m1:.2f} / {x1:.2f} "
+              f"| {m0 / m1:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
