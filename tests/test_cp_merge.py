@@ -73,7 +73,8 @@ def check_partials(dtype, case, device, H=2, D=4):
     from doc_packed.cp.schedule import _home_grid
 
     runs = RUNS[case]
-    land, rows_back, gaps, sums, shared = _home_grid(runs)
+    land, rows_back, gap_runs, sums, shared = _home_grid(runs)
+    gaps = [r for a, e in gap_runs for r in range(a, e)]
     assert shared == (case != "disjoint")
     # every partial lands in its own rows, the rest of the buffer is exactly the gaps
     taken = [r for (_, n), at in zip(runs, land) for r in range(at, at + n)]

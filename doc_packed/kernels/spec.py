@@ -101,14 +101,17 @@ class VarlenSpec:
             return value
 
     def cu_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cu_q, cu_k)`` as int32 tensors on ``device``."""
-        return self.cached(
-            ("cu", device),
-            lambda: (
-                torch.tensor(self.cu_q, dtype=torch.int32, device=device),
-                torch.tensor(self.cu_k, dtype=torch.int32, device=device),
-            ),
-        )
+        """``(cu_q, cu_k)`` as int32 tensors on ``device``: one copy of both, queued from pinned
+        memory on CUDA (a plain copy would wait for the device's queue: a sync per new layout)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.tensor(self.cu_q + self.cu_k, dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            both = host.to(device, non_blocking=True)
+            return both[: len(self.cu_q)], both[len(self.cu_q) :]
+
+        return self.cached(("cu", device), build)
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per query, the inclusive packed-key interval ``[lo, hi]`` it sees (host int64).
