@@ -164,7 +164,7 @@ def doc_packed_attn(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    causal: bool = True,
+    causal: bool,
     window_size: tuple[int, int] = (-1, -1),
     scale: float | None = None,
     return_lse: bool = False,
@@ -184,10 +184,15 @@ def doc_packed_attn(
             without repeating K/V). One dtype (fp16/bf16/fp32; fp64 on CPU), one device.
         cu_seqlens: ``[B, MAX_DOCS + 1]`` int32 document boundaries per row: starts at 0,
             non-decreasing, ends at ``S``; unused slots repeat ``S``.
-        causal: a query sees only keys at or before its own position.
-        window_size: ``(left, right)`` in-document window, ``-1`` unbounded. A query at
-            position ``p`` sees ``p'`` when ``p' >= p - left`` and ``p' <= p`` (causal) or
-            ``p' <= p + right``. ``right > 0`` with ``causal=True`` is an error.
+        causal: required, no default (flash-attention and torch default to full attention,
+            doc-packed 0.1 defaulted to causal: a default would change some port's mask
+            silently). ``True``: a query sees only keys at or before its own position;
+            ``False``: every key of its document (within ``window_size``).
+        window_size: ``(left, right)`` in-document window, ``-1`` unbounded; ``(-1, -1)``
+            (the default) is no window, as in flash-attention. A query at position ``p``
+            sees ``p'`` when ``p' >= p - left`` and ``p' <= p`` (causal) or
+            ``p' <= p + right``. ``right > 0`` with ``causal=True`` is an error (flash
+            ignores that ``right``; :mod:`doc_packed.compat` follows flash).
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
             float64 inputs, natural log). Gradients through it are supported.

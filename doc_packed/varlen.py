@@ -24,7 +24,7 @@ def doc_packed_attn_varlen(
     cu_seqlens: torch.Tensor,
     max_seqlen: int | None,
     *,
-    causal: bool = True,
+    causal: bool,
     window_size: tuple[int, int] = (-1, -1),
     scale: float | None = None,
     return_lse: bool = False,
@@ -48,8 +48,12 @@ def doc_packed_attn_varlen(
             checked (ValueError when a document is longer; flash-attention would read past
             it) and not otherwise used: kernels read the exact lengths from the cached layout.
             ``None`` skips the check; under ``torch.compile`` it is skipped (no values).
-        causal, window_size, scale, backend, planning_doc_len: as :func:`doc_packed_attn`
-            (``window_size=(left, right)``; ``right > 0`` with ``causal=True`` raises).
+        causal: required, no default, as :func:`doc_packed_attn` (``flash_attn_varlen_func`` and
+            torch's ``varlen_attn`` default to full attention: :mod:`doc_packed.compat` has
+            drop-ins with their defaults).
+        window_size, scale, backend, planning_doc_len: as :func:`doc_packed_attn`
+            (``window_size=(left, right)``, ``(-1, -1)`` no window; ``right > 0`` with
+            ``causal=True`` raises).
         return_lse: also return the natural-log lse ``[H_q, T]`` (flash-attention's varlen
             layout; float32, float64 for float64 inputs).
         cp_group, seq_len: context parallelism as :func:`doc_packed_attn`: ``q/k/v`` are this
