@@ -17,7 +17,7 @@ def ok():
 
 
 def call(q, k, v, cu, **kw):
-    return dp.doc_packed_attn(q, k, v, cu, **kw)
+    return dp.doc_packed_attn(q, k, v, cu, **{"causal": True, **kw})
 
 
 def test_valid_baseline():
