@@ -201,10 +201,10 @@ def check_gqa(Hq: int, Hkv: int) -> None:
         raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
 
 
-def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen: object) -> None:
+def check_varlen(q: object, k: object, v: object, cu_seqlens: object) -> None:
     """The shape rules of the packed (varlen) entry: ``q [T, H_q, D]``, ``k``/``v [T, H_kv, D]``,
-    ``cu_seqlens [N + 1]`` int32/int64, ``max_seqlen`` an int or None. Dtypes, devices and
-    strides are then :func:`check_qkv`'s (on the one-row views)."""
+    ``cu_seqlens [N + 1]`` int32/int64. Dtypes, devices and strides are then
+    :func:`check_qkv`'s (on the one-row views); ``max_seqlen`` is :func:`check_max_seqlen_arg`'s."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, t)
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
@@ -234,12 +234,19 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
             f"cu_seqlens must be 1-D [N + 1] with N >= 1 documents, got shape {tuple(cu_seqlens.shape)} "
             "(a [B, MAX_DOCS + 1] layout of rows goes to doc_packed_attn)"
         )
-    if max_seqlen is not None:
-        if not _is_int(max_seqlen):
-            raise TypeError(f"max_seqlen must be an int or None, got {describe(max_seqlen)}")
-        assert isinstance(max_seqlen, int)
-        if not 1 <= max_seqlen <= INT32_MAX:
-            raise ValueError(f"max_seqlen must be in [1, 2**31 - 1], got {max_seqlen}")
+
+
+def check_max_seqlen_arg(max_seqlen: object, name: str = "max_seqlen") -> None:
+    """``max_seqlen``: an int in ``[1, 2**31 - 1]`` or None. Eager calls only: under
+    ``torch.compile`` reading the int would make dynamo guard on its value, so a new
+    ``max_seqlen`` every step would recompile (the value is not used by any kernel)."""
+    if max_seqlen is None:
+        return
+    if not _is_int(max_seqlen):
+        raise TypeError(f"{name} must be an int or None, got {describe(max_seqlen)}")
+    assert isinstance(max_seqlen, int)
+    if not 1 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"{name} must be in [1, 2**31 - 1], got {max_seqlen}")
 
 
 def check_scale(scale: object, head_dim: int) -> float:

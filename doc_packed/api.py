@@ -299,7 +299,7 @@ def attention(
                 reject(cp_group, err)  # the group's other ranks raise too, instead of waiting
             raise
         return in_graph_error(q, err, return_lse, return_max_logits)
-    if max_seqlen is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and max_seqlen is not None:  # the int stays unread under compile
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import api
-from ._checks import check_varlen, check_varlen_prefix
+from ._checks import check_max_seqlen_arg, check_varlen, check_varlen_prefix
 
 __all__ = ["doc_packed_attn_varlen"]
 
@@ -69,11 +69,14 @@ def doc_packed_attn_varlen(
         ``out [T, H_q, D_v]`` in q's dtype, then ``lse`` if ``return_lse``, then the ``[H_q]``
         max logits if ``return_max_logits``.
     """
+    compiling = torch.compiler.is_compiling()
     try:
-        check_varlen(q, k, v, cu_seqlens, max_seqlen)
+        check_varlen(q, k, v, cu_seqlens)
+        if not compiling:  # max_seqlen is never read under compile: a new value must not recompile
+            check_max_seqlen_arg(max_seqlen)
         check_varlen_prefix(prefix_lens, cu_seqlens)
     except (TypeError, ValueError) as err:
-        if not torch.compiler.is_compiling() or api.is_dtensor(q):
+        if not compiling or api.is_dtensor(q):
             raise
         return api.in_graph_error(q, err, return_lse, return_max_logits)
     result = api.attention(
@@ -89,7 +92,7 @@ def doc_packed_attn_varlen(
         cp_group,
         seq_len,
         planning_doc_len,
-        max_seqlen,
+        None if compiling else max_seqlen,
         sinks=sinks,
         softcap=softcap,
         prefix_lens=None if prefix_lens is None else prefix_lens.unsqueeze(0),
