@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import sys
 
 import torch
@@ -170,9 +171,8 @@ def check_qkv(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share [B, S, H_kv] (v's head dim may differ)")
     if k.shape[3] != D:
         raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {D}")
+    _check_nonempty(q, {"B (batch)": B, "S (tokens per row)": 1 if shard else S, "H_q (heads)": Hq, "D (head dim)": D})
     check_gqa(Hq, k.shape[2])
-    if B == 0 or (S == 0 and not shard) or Hq == 0 or D == 0:  # a CP shard may be empty
-        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if v.shape[3] == 0:
         raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -193,6 +193,13 @@ def check_qkv(
     check_cu_seqlens(cu_seqlens)
     if cu_seqlens.shape[0] != B:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
+
+
+def _check_nonempty(q: torch.Tensor, dims: dict[str, int], layout: str = "[B, S, H_q, D]") -> None:
+    """Name the empty dimension of ``q`` (a context-parallel shard may hold 0 tokens)."""
+    for name, size in dims.items():
+        if size == 0:
+            raise ValueError(f"q {layout} has {name} = 0: shape {tuple(q.shape)}; every dimension must be >= 1")
 
 
 def check_gqa(Hq: int, Hkv: int) -> None:
@@ -222,9 +229,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object) -> None:
         raise ValueError(f"k and v hold {k.shape[0]} tokens but q holds {T}; one cu_seqlens serves q and k/v")
     if k.shape[2] != D:
         raise ValueError(f"k's head dim {k.shape[2]} must equal q's head dim {D}")
+    _check_nonempty(q, {"T (tokens)": T, "H_q (heads)": Hq, "D (head dim)": D}, "[T, H_q, D]")
     check_gqa(Hq, k.shape[1])
-    if T == 0 or Hq == 0 or D == 0:
-        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if v.shape[2] == 0:
         raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
@@ -247,6 +253,30 @@ def check_max_seqlen_arg(max_seqlen: object, name: str = "max_seqlen") -> None:
     assert isinstance(max_seqlen, int)
     if not 1 <= max_seqlen <= INT32_MAX:
         raise ValueError(f"{name} must be in [1, 2**31 - 1], got {max_seqlen}")
+
+
+def varlen_layout_error(err: ValueError, tokens: int, cp_size: int | None) -> ValueError:
+    """The packed entry's wording for an error about the values of its ``cu_seqlens``: the layout
+    rules speak of row 0 of ``[B, MAX_DOCS + 1]`` and "the sequence length", where the caller
+    passed a 1-D ``cu_seqlens`` and ``tokens`` tokens (``cp_size`` ranks: the whole sequence's,
+    which a rank's chunk of ``cu_seqlens`` does not reach)."""
+    msg = str(err)
+    if not msg.startswith("cu_seqlens[0] "):
+        return err
+    msg = "cu_seqlens " + msg[len("cu_seqlens[0] ") :]
+    total = (
+        f"T = {tokens}, the tokens in q"
+        if cp_size is None
+        else f"T = {tokens}, the whole sequence's tokens ({cp_size} ranks' chunks of q together)"
+    )
+    msg = msg.replace(" (unused slots repeat it)", "")
+    msg = re.sub(r"the sequence length \d+", total, msg)
+    if cp_size is not None and "must end at" in msg:
+        msg += (
+            "; under context parallelism cu_seqlens is global: every rank passes the whole sequence's "
+            "boundaries, not the part that falls in its own chunk"
+        )
+    return ValueError(msg)
 
 
 def check_scale(scale: object, head_dim: int) -> float:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import api
-from ._checks import check_max_seqlen_arg, check_varlen, check_varlen_prefix
+from . import _compat, api
+from ._checks import check_max_seqlen_arg, check_varlen, check_varlen_prefix, varlen_layout_error
 
 __all__ = ["doc_packed_attn_varlen"]
+
+
+def _group_size(group: dist.ProcessGroup | str) -> int:
+    return dist.get_world_size(_compat.resolve_process_group(group) if isinstance(group, str) else group)
 
 
 def doc_packed_attn_varlen(
@@ -47,7 +51,8 @@ def doc_packed_attn_varlen(
         max_seqlen: an upper bound of the document lengths, as flash-attention takes it. It is
             checked (ValueError when a document is longer; flash-attention would read past
             it) and not otherwise used: kernels read the exact lengths from the cached layout.
-            ``None`` skips the check; under ``torch.compile`` it is skipped (no values).
+            ``None`` skips the check. Under ``torch.compile`` it is not read at all (neither
+            checked nor guarded on), so a new value each step does not recompile.
         causal: required, no default, as :func:`doc_packed_attn` (``flash_attn_varlen_func`` and
             torch's ``varlen_attn`` default to full attention: :mod:`doc_packed.compat` has
             drop-ins with their defaults).
@@ -61,6 +66,9 @@ def doc_packed_attn_varlen(
         sinks, softcap, return_max_logits: as :func:`doc_packed_attn` (``sinks [H_q]``).
         prefix_lens: ``[N]`` int32/int64, each document's bidirectional prefix length (as
             :func:`doc_packed_attn`'s, one row). ``v`` may have its own head dim.
+
+    Compiled with a new packing each step, it compiles once when ``cu_seqlens`` keeps its size
+    (pad it with zero-length documents) or is marked dynamic (docs/coming_from.md).
 
     Under DTensor, ``Shard(0)`` of ``T`` is the sequence placement (context parallel),
     ``Shard(1)`` the heads, ``Replicate`` both; ``cu_seqlens`` is replicated.
@@ -79,7 +87,7 @@ def doc_packed_attn_varlen(
         if not compiling or api.is_dtensor(q):
             raise
         return api.in_graph_error(q, err, return_lse, return_max_logits)
-    result = api.attention(
+    call = (
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
@@ -93,11 +101,25 @@ def doc_packed_attn_varlen(
         seq_len,
         planning_doc_len,
         None if compiling else max_seqlen,
+    )
+    variants = dict(
         sinks=sinks,
         softcap=softcap,
         prefix_lens=None if prefix_lens is None else prefix_lens.unsqueeze(0),
         return_max_logits=return_max_logits,
     )
+    if compiling:
+        result = api.attention(*call, **variants)
+    else:
+        try:
+            result = api.attention(*call, **variants)
+        except ValueError as err:  # the layout's rules speak of rows; say it for 1-D cu_seqlens
+            cp_size = None if cp_group is None else _group_size(cp_group)
+            tokens = seq_len if seq_len is not None else q.shape[0] * (cp_size or 1)
+            better = varlen_layout_error(err, tokens, cp_size)
+            if better is err:
+                raise
+            raise better from None
     out, lse = result[0].squeeze(0), result[1].squeeze(0)
     rest = (lse,) if return_lse else ()
     if return_max_logits:

@@ -501,7 +501,7 @@ TENSOR_ERRORS = [
     (
         lambda q, k, v, cu: (q[:, :, :0], k[:, :, :1], v[:, :, :1], cu),
         ValueError,
-        "q has an empty dimension: shape (2, 16, 0, 8)",
+        "q [B, S, H_q, D] has H_q (heads) = 0: shape (2, 16, 0, 8)",
     ),
     (lambda q, k, v, cu: (q[:, :, :3], k, v, cu), ValueError, "q has 3 heads and k/v have 2"),
     (lambda q, k, v, cu: (q.int(), k, v, cu), TypeError, "q has dtype torch.int32"),

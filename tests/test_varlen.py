@@ -101,7 +101,8 @@ VARLEN_ERRORS = [
     (lambda q, k, v, cu, m: (q, k, v[:, :1], cu, m), ValueError, "must share"),
     (lambda q, k, v, cu, m: (q, k[..., :4], v[..., :4], cu, m), ValueError, "k's head dim 4 must equal q's head dim 8"),
     (lambda q, k, v, cu, m: (q[:, :3], k, v, cu, m), ValueError, "q has 3 heads and k/v have 2"),
-    (lambda q, k, v, cu, m: (q[:0], k[:0], v[:0], cu, m), ValueError, "empty dimension"),
+    (lambda q, k, v, cu, m: (q[:0], k[:0], v[:0], cu, m), ValueError, r"q \[T, H_q, D\] has T \(tokens\) = 0"),
+    (lambda q, k, v, cu, m: (q[:, :0], k, v, cu, m), ValueError, r"has H_q \(heads\) = 0"),
     (
         lambda q, k, v, cu, m: (q, k, v, cu.float(), m),
         TypeError,
@@ -120,14 +121,14 @@ VARLEN_ERRORS = [
     (
         lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 8, 20], dtype=torch.int64), m),
         ValueError,
-        r"cu_seqlens\[0\] must be non-decreasing",
+        r"^cu_seqlens must be non-decreasing",
     ),
     (
         lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 21]), m),
         ValueError,
-        r"entry 2 is 21, past the sequence length 20",
+        r"entry 2 is 21, past T = 20, the tokens in q",
     ),
-    (lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 19]), m), ValueError, r"must end at the sequence length 20"),
+    (lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 19]), m), ValueError, r"must end at T = 20, the tokens in q, got 19"),
 ]
 
 
@@ -174,9 +175,18 @@ def test_compile_fullgraph():
         for a, b in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(ref, (q, k, v))):
             torch.testing.assert_close(a, b)
     # a bad argument raises our error from the compiled call, before any kernel
-    bad = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 0, causal=True), fullgraph=True, backend="eager")
-    with pytest.raises(ValueError, match=r"max_seqlen must be in \[1, 2\*\*31 - 1\]"):
+    bad = torch.compile(
+        lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 40, causal=True, window_size=(-2, 0)),
+        fullgraph=True,
+        backend="eager",
+    )
+    with pytest.raises(ValueError, match=r"window_size=\(-2, 0\): each side must be >= 0"):
         bad(q, k, v, cu)
+    # max_seqlen is checked in eager calls only: reading it under compile would recompile per value
+    with pytest.raises(ValueError, match=r"max_seqlen must be in \[1, 2\*\*31 - 1\]"):
+        dp.doc_packed_attn_varlen(q, k, v, cu, 0, causal=True)
+    unread = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 0, causal=True), backend="eager")
+    torch.testing.assert_close(unread(q, k, v, cu), dp.doc_packed_attn_varlen(q, k, v, cu, None, causal=True))
 
 
 # ----------------------------------------------------------------------------- int64 everywhere
