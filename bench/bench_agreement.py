@@ -57,7 +57,7 @@ def _rank(rank, world, port, args, backend, queue):
     cu = dp.cu_seqlens_from_lengths([[S // 4, S // 2, S - S // 4 - S // 2]], S).to(dev)
 
     def step():
-        out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S)
+        out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S, causal=True)
         out.float().sum().backward()
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -77,7 +77,7 @@ def _rank(rank, world, port, args, backend, queue):
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
-                out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S)
+                out = dp.doc_packed_attn(q, k, v, cu, cp_group=group, seq_len=S, causal=True)
                 out.float().sum().backward()
             sync_ok = "no sync"
         except RuntimeError as e:

@@ -257,9 +257,9 @@ def worker(
             def one_gpu(grad=True):
                 if not grad:
                     with torch.no_grad():
-                        return dp.doc_packed_attn(q, k, v, cu)
+                        return dp.doc_packed_attn(q, k, v, cu, causal=True)
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                o = dp.doc_packed_attn(qq, kk, vv, cu)
+                o = dp.doc_packed_attn(qq, kk, vv, cu, causal=True)
                 o.backward(dout)
                 return o, qq.grad, kk.grad, vv.grad
 
@@ -267,8 +267,8 @@ def worker(
                 lq, lk, lv = (t[:, sl].detach().requires_grad_(grad) for t in (q, k, v))
                 if not grad:
                     with torch.no_grad():
-                        return dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
-                o = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
+                        return dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group, causal=True)
+                o = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group, causal=True)
                 o.backward(dout[:, sl])
                 return o, lq.grad, lk.grad, lv.grad
 
@@ -346,7 +346,7 @@ def worker(
 
             lq, lk, lv = (t[:, sl].contiguous() for t in (q, k, v))
             sch = cpa.get_schedule(lq, lk, cu, S, True, -1, 0, group.group_name)
-            lo = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group)
+            lo = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=group, causal=True)
 
             def refetch():
                 """The backward's second exchange: K|V, and moved rows' q|out (what keeping the

@@ -54,7 +54,7 @@ def main():
         torch.autograd.backward(o, df)
 
     def ours_fb():
-        torch.autograd.backward(dp.doc_packed_attn(q, k, v, cu), dout)
+        torch.autograd.backward(dp.doc_packed_attn(q, k, v, cu, causal=True), dout)
 
     def op_fb():  # the custom op with its registered autograd (the path under compile/DTensor/modes)
         torch.autograd.backward(torch.ops.doc_packed.attn_fwd(q, k, v, *op_args)[0], dout)
@@ -74,11 +74,11 @@ def main():
         ("fwd", "kernels.forward(spec, ...)", nograd(lambda: kernels.forward(spec, qf, kf, vf, scale, "auto"))),
         ("fwd", "torch.ops.doc_packed.attn_fwd, no grad",
          nograd(lambda: torch.ops.doc_packed.attn_fwd(q, k, v, *op_args))),
-        ("fwd", "doc_packed_attn, no grad", nograd(lambda: dp.doc_packed_attn(q, k, v, cu))),
+        ("fwd", "doc_packed_attn, no grad", nograd(lambda: dp.doc_packed_attn(q, k, v, cu, causal=True))),
         ("fwd", "FA4 flash_attn_varlen_func, grad on",
          lambda: flash_attn_varlen_func(qv, kv_, vv, cu_seqlens_q=flat_cu, cu_seqlens_k=flat_cu,
                                         max_seqlen_q=S, max_seqlen_k=S, causal=True, return_lse=True)),
-        ("fwd", "doc_packed_attn, grad on", lambda: dp.doc_packed_attn(q, k, v, cu)),
+        ("fwd", "doc_packed_attn, grad on", lambda: dp.doc_packed_attn(q, k, v, cu, causal=True)),
         ("bwd", "FA4 _flash_attn_bwd (what our kernel layer calls)",
          nograd(lambda: _flash_attn_bwd(qf, kf, vf, out_f, df, lse_f, **fa))),
         ("bwd", "kernels.backward(spec, ...)",

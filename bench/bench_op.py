@@ -133,7 +133,7 @@ def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.
     # raw varlen on [T, H, D]
     mk_raw = lambda a, b, c: raw_varlen(a.view(S, Hq, D), b.view(S, Hkv, D), c.view(S, Hkv, D), flat_cu, max(lengths))  # noqa: E731
     def mk_ours(backend):
-        return lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu, backend=backend))
+        return lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu, backend=backend, causal=True))
     compiled, block_mask, build_ms = flex_setup(S, lengths, dev)
     res["blockmask_build_ms"] = build_ms
     mk_flex = lambda a, b, c: (  # noqa: E731
@@ -300,7 +300,7 @@ def fa4_host_cost(calls: int = 200) -> dict:
         if label == "fa4":
             f = _raw_fa4(qq.view(S, 32, 128), kk.view(S, 8, 128), vv.view(S, 8, 128), flat_cu, S, True, (-1, -1))
         else:
-            f = lambda: dp.doc_packed_attn(qq, kk, vv, cu)  # noqa: E731
+            f = lambda: dp.doc_packed_attn(qq, kk, vv, cu, causal=True)  # noqa: E731
 
         def fwd():
             with torch.no_grad():

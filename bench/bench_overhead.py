@@ -41,8 +41,8 @@ def main():
         "flex": lambda: compiled(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, enable_gqa=True
         ),
-        "ours-flash": lambda: dp.doc_packed_attn(q, k, v, cu, backend="flash"),
-        "ours-flex": lambda: dp.doc_packed_attn(q, k, v, cu, backend="flex"),
+        "ours-flash": lambda: dp.doc_packed_attn(q, k, v, cu, backend="flash", causal=True),
+        "ours-flex": lambda: dp.doc_packed_attn(q, k, v, cu, backend="flex", causal=True),
     }
     rows = {}
     for name, f in variants.items():

@@ -103,7 +103,7 @@ def run(S: int, layout: str) -> list[dict]:
         want_max = kw.get("return_max_logits", False)
 
         def ours(q, k, v, s=None, args=args, want_max=want_max):
-            r = dp.doc_packed_attn(q, k, v, cu, sinks=s, return_max_logits=want_max, **args)
+            r = dp.doc_packed_attn(q, k, v, cu, sinks=s, return_max_logits=want_max, **{"causal": True, **args})
             return r[0] if want_max else r
 
         spec = ops.local_spec(get_layout(cu, S), True, -1, 0, prefixes(cu, prefix) if kw.get("prefix") else None)
@@ -113,7 +113,7 @@ def run(S: int, layout: str) -> list[dict]:
         fwd, fb = _timed(ours, q, k, v, dout, (sinks,) if sinks is not None else ())
         if want_max:  # the extra pass alone
             with torch.no_grad():
-                fwd_only = bench(lambda: dp.doc_packed_attn(q, k, v, cu))
+                fwd_only = bench(lambda: dp.doc_packed_attn(q, k, v, cu, causal=True))
             fwd = fwd - fwd_only
             fb = float("nan")
         row = {"S": S, "layout": layout, "variant": name, "backend": backend, "fwd_ms": fwd, "fwd_bwd_ms": fb}

@@ -59,10 +59,10 @@ def attention_points(backend: str, sizes, iters: int) -> list[dict]:
 
             def fwd():
                 with torch.no_grad():
-                    dp.doc_packed_attn(q, k, v, cu, backend=backend)
+                    dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True)
 
             def fwd_bwd():
-                out = dp.doc_packed_attn(q, k, v, cu, backend=backend)
+                out = dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True)
                 out.backward(dout)
 
             try:
@@ -87,7 +87,7 @@ def call_cost_us(backend: str) -> dict:
 
     def loop(n, bwd):
         for _ in range(n):
-            o = dp.doc_packed_attn(q, k, v, cu, backend=backend)
+            o = dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True)
             if bwd:
                 o.backward(dout)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import sys
 
 import torch
@@ -170,9 +171,8 @@ def check_qkv(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share [B, S, H_kv] (v's head dim may differ)")
     if k.shape[3] != D:
         raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {D}")
+    _check_nonempty(q, {"B (batch)": B, "S (tokens per row)": 1 if shard else S, "H_q (heads)": Hq, "D (head dim)": D})
     check_gqa(Hq, k.shape[2])
-    if B == 0 or (S == 0 and not shard) or Hq == 0 or D == 0:  # a CP shard may be empty
-        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if v.shape[3] == 0:
         raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -195,16 +195,23 @@ def check_qkv(
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} rows but q has batch size {B}")
 
 
+def _check_nonempty(q: torch.Tensor, dims: dict[str, int], layout: str = "[B, S, H_q, D]") -> None:
+    """Name the empty dimension of ``q`` (a context-parallel shard may hold 0 tokens)."""
+    for name, size in dims.items():
+        if size == 0:
+            raise ValueError(f"q {layout} has {name} = 0: shape {tuple(q.shape)}; every dimension must be >= 1")
+
+
 def check_gqa(Hq: int, Hkv: int) -> None:
     """q heads must be a whole multiple of k/v heads (GQA/MQA without repeating K/V)."""
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: q heads must be a multiple of k/v heads (GQA)")
 
 
-def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen: object) -> None:
+def check_varlen(q: object, k: object, v: object, cu_seqlens: object) -> None:
     """The shape rules of the packed (varlen) entry: ``q [T, H_q, D]``, ``k``/``v [T, H_kv, D]``,
-    ``cu_seqlens [N + 1]`` int32/int64, ``max_seqlen`` an int or None. Dtypes, devices and
-    strides are then :func:`check_qkv`'s (on the one-row views)."""
+    ``cu_seqlens [N + 1]`` int32/int64. Dtypes, devices and strides are then
+    :func:`check_qkv`'s (on the one-row views); ``max_seqlen`` is :func:`check_max_seqlen_arg`'s."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, t)
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
@@ -222,9 +229,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
         raise ValueError(f"k and v hold {k.shape[0]} tokens but q holds {T}; one cu_seqlens serves q and k/v")
     if k.shape[2] != D:
         raise ValueError(f"k's head dim {k.shape[2]} must equal q's head dim {D}")
+    _check_nonempty(q, {"T (tokens)": T, "H_q (heads)": Hq, "D (head dim)": D}, "[T, H_q, D]")
     check_gqa(Hq, k.shape[1])
-    if T == 0 or Hq == 0 or D == 0:
-        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
     if v.shape[2] == 0:
         raise ValueError(f"v has an empty head dim: shape {tuple(v.shape)}")
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
@@ -234,12 +240,43 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens: object, max_seqlen
             f"cu_seqlens must be 1-D [N + 1] with N >= 1 documents, got shape {tuple(cu_seqlens.shape)} "
             "(a [B, MAX_DOCS + 1] layout of rows goes to doc_packed_attn)"
         )
-    if max_seqlen is not None:
-        if not _is_int(max_seqlen):
-            raise TypeError(f"max_seqlen must be an int or None, got {describe(max_seqlen)}")
-        assert isinstance(max_seqlen, int)
-        if not 1 <= max_seqlen <= INT32_MAX:
-            raise ValueError(f"max_seqlen must be in [1, 2**31 - 1], got {max_seqlen}")
+
+
+def check_max_seqlen_arg(max_seqlen: object, name: str = "max_seqlen") -> None:
+    """``max_seqlen``: an int in ``[1, 2**31 - 1]`` or None. Eager calls only: under
+    ``torch.compile`` reading the int would make dynamo guard on its value, so a new
+    ``max_seqlen`` every step would recompile (the value is not used by any kernel)."""
+    if max_seqlen is None:
+        return
+    if not _is_int(max_seqlen):
+        raise TypeError(f"{name} must be an int or None, got {describe(max_seqlen)}")
+    assert isinstance(max_seqlen, int)
+    if not 1 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"{name} must be in [1, 2**31 - 1], got {max_seqlen}")
+
+
+def varlen_layout_error(err: ValueError, tokens: int, cp_size: int | None) -> ValueError:
+    """The packed entry's wording for an error about the values of its ``cu_seqlens``: the layout
+    rules speak of row 0 of ``[B, MAX_DOCS + 1]`` and "the sequence length", where the caller
+    passed a 1-D ``cu_seqlens`` and ``tokens`` tokens (``cp_size`` ranks: the whole sequence's,
+    which a rank's chunk of ``cu_seqlens`` does not reach)."""
+    msg = str(err)
+    if not msg.startswith("cu_seqlens[0] "):
+        return err
+    msg = "cu_seqlens " + msg[len("cu_seqlens[0] ") :]
+    total = (
+        f"T = {tokens}, the tokens in q"
+        if cp_size is None
+        else f"T = {tokens}, the whole sequence's tokens ({cp_size} ranks' chunks of q together)"
+    )
+    msg = msg.replace(" (unused slots repeat it)", "")
+    msg = re.sub(r"the sequence length \d+", total, msg)
+    if cp_size is not None and "must end at" in msg:
+        msg += (
+            "; under context parallelism cu_seqlens is global: every rank passes the whole sequence's "
+            "boundaries, not the part that falls in its own chunk"
+        )
+    return ValueError(msg)
 
 
 def check_scale(scale: object, head_dim: int) -> float:

@@ -20,6 +20,7 @@ __all__ = [
     "MIN_TORCH",
     "PrivateAPIError",
     "apply_kernel_options",
+    "assert_async",
     "compile_fx",
     "create_fw_bw_graph",
     "default_store",
@@ -65,6 +66,13 @@ def private(module: str, name: str) -> Any:
             f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err}). "
             "See docs/private_apis.md."
         ) from err
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Fail with ``message`` where ``condition`` (a one-element bool tensor) is False, without a
+    host sync: an assertion node under ``torch.compile`` (``doc_packed.compat`` checks there that
+    two ``cu_seqlens`` tensors agree)."""
+    torch._assert_async(condition, message)
 
 
 # ----------------------------------------------------------------------------- distributed

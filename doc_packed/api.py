@@ -164,7 +164,7 @@ def doc_packed_attn(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    causal: bool = True,
+    causal: bool,
     window_size: tuple[int, int] = (-1, -1),
     scale: float | None = None,
     return_lse: bool = False,
@@ -184,10 +184,15 @@ def doc_packed_attn(
             without repeating K/V). One dtype (fp16/bf16/fp32; fp64 on CPU), one device.
         cu_seqlens: ``[B, MAX_DOCS + 1]`` int32 document boundaries per row: starts at 0,
             non-decreasing, ends at ``S``; unused slots repeat ``S``.
-        causal: a query sees only keys at or before its own position.
-        window_size: ``(left, right)`` in-document window, ``-1`` unbounded. A query at
-            position ``p`` sees ``p'`` when ``p' >= p - left`` and ``p' <= p`` (causal) or
-            ``p' <= p + right``. ``right > 0`` with ``causal=True`` is an error.
+        causal: required, no default (flash-attention and torch default to full attention,
+            doc-packed 0.1 defaulted to causal: a default would change some port's mask
+            silently). ``True``: a query sees only keys at or before its own position;
+            ``False``: every key of its document (within ``window_size``).
+        window_size: ``(left, right)`` in-document window, ``-1`` unbounded; ``(-1, -1)``
+            (the default) is no window, as in flash-attention. A query at position ``p``
+            sees ``p'`` when ``p' >= p - left`` and ``p' <= p`` (causal) or
+            ``p' <= p + right``. ``right > 0`` with ``causal=True`` is an error (flash
+            ignores that ``right``; :mod:`doc_packed.compat` follows flash).
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``[B, H_q, S]`` (float32; float64 for
             float64 inputs, natural log). Gradients through it are supported.
@@ -294,7 +299,7 @@ def attention(
                 reject(cp_group, err)  # the group's other ranks raise too, instead of waiting
             raise
         return in_graph_error(q, err, return_lse, return_max_logits)
-    if max_seqlen is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and max_seqlen is not None:  # the int stays unread under compile
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)

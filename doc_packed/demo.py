@@ -107,6 +107,8 @@ class Placed:
     sequence_sharded: bool  # attention runs context parallel
     considered: list[str] = dataclasses.field(default_factory=list)  # --free: AutoParallel's estimates
     break_even: str = ""  # --free, not sequence-sharded: where the sequence placement would win
+    strategies: list[str] = dataclasses.field(default_factory=list)  # describe_attention's report lines
+    skipped: str = ""  # without AutoParallel: why, and what the run left out
 
 
 def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
@@ -115,6 +117,7 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from shardings.autoparallel import (
+        attention_report_lines,
         cost_model_for,
         describe_attention,
         force_attention_layout,
@@ -153,7 +156,7 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
         with progress(say, "solving the placement (pulp)"):
             placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
-        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=False, alternatives=args.free)
+        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=False)
         with progress(say, "applying the placement"):
             parallel = autop.apply_placement(placement)
         sequence = any("sequence" in c.layout.values() for c in choices)
@@ -169,7 +172,8 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     words = " | ".join(sorted({", ".join(f"{k}: {v}" for k, v in c.layout.items()) for c in choices}))
     how = "chosen by AutoParallel" if args.free else "pinned; the rest placed by AutoParallel"
     compiled, choice = compile_placed(parallel, "eager" if args.eager else "auto")
-    return Placed(compiled, f"{words} ({how})", str(choice), sequence, considered, break_even)
+    strategies = attention_report_lines(choices)[1:-1]  # the nodes' lines (the header is the section's)
+    return Placed(compiled, f"{words} ({how})", str(choice), sequence, considered, break_even, strategies)
 
 
 def _considered(choices) -> list[str]:
@@ -199,23 +203,32 @@ def _break_even(args, mesh, S: int, chosen: list[str]) -> str:
     if be.seq_len is None:
         return f"sequence does not beat {other} below {be.limit:,} tokens per row"
     return (
-        f"sequence beats {other} from about {be.seq_len:,} tokens per row ({args.batch} rows, documents of "
-        f"~{args.mean_doc} tokens, {mesh.size(0)} ranks): {be.sequence_ms:.3f} ms vs {be.other_ms:.3f} ms "
-        f"per layer forward + backward (the step model's measured rates: shardings/h200_rates.json)"
+        f"from about {be.seq_len:,} tokens per row: {be.sequence_ms:.3f} ms vs {be.other_ms:.3f} ms ({other}) "
+        f"per layer, forward + backward\n({args.batch} rows, ~{args.mean_doc}-token documents, {mesh.size(0)} "
+        "ranks; the step model's measured H200 rates, shardings/h200_rates.json)"
     )
 
 
-def _manual_cp_model(args, init) -> Placed:
-    """Without AutoParallel: replicated weights, sequence-sharded activations, CP attention."""
+def _manual_cp_model(args, init, why_not: str | None = None) -> Placed:
+    """Without AutoParallel: replicated weights, sequence-sharded activations, CP attention.
+    ``why_not``: AutoParallel's import error, when that is the reason (the report says what
+    the run left out)."""
     model = Transformer(**MODEL).double()
     model.load_state_dict(init)
     for m in model.modules():
         if isinstance(m, Attention):
             m.cp_group = dist.group.WORLD
     layout = "cp: sequence (manual placement)"
+    skipped = ""
+    if why_not is not None:
+        skipped = (
+            "AutoParallel's placement, its per-node strategy report (describe_attention)"
+            + (" and --free's estimates and break-even" if args.free else "")
+            + f": {why_not}"
+        )
     if args.eager:
-        return Placed(model, layout, "eager: asked for", True)
-    return Placed(torch.compile(model, fullgraph=True), layout, "inductor: torch.compile", True)
+        return Placed(model, layout, "eager: asked for", True, skipped=skipped)
+    return Placed(torch.compile(model, fullgraph=True), layout, "inductor: torch.compile", True, skipped=skipped)
 
 
 def rank_main(rank: int, world: int, port: int, args):
@@ -239,9 +252,12 @@ def rank_main(rank: int, world: int, port: int, args):
         elif why_not is None:
             say("[2/4] --no-autoparallel: sharding the sequence manually")
         else:
-            say(f"[2/4] {why_not}; sharding the sequence manually")
+            skipped = " (--free needs AutoParallel: ignored)" if args.free else ""
+            say(f"[2/4] {why_not}; sharding the sequence manually{skipped}")
         t1 = time.perf_counter()
-        placed = _autoparallel_model(args, mesh, batches, init, say) if use_ap else _manual_cp_model(args, init)
+        placed = (
+            _autoparallel_model(args, mesh, batches, init, say) if use_ap else _manual_cp_model(args, init, why_not)
+        )
         t_plan = time.perf_counter() - t1
         model = placed.model
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -334,6 +350,16 @@ def _setup(r: Result) -> list[str]:
     ]
 
 
+def _strategies(r: Result) -> list[str]:
+    """AutoParallel's choice per attention node (describe_attention), or what was skipped."""
+    if r.placed.skipped:
+        return [_row("skipped", r.placed.skipped)]
+    if not r.placed.strategies:
+        return []
+    return [_row("strategies", "per attention node: chosen layout, best alternatives (ms per call), why"), *(
+        _row("", line) for line in r.placed.strategies)]  # fmt: skip
+
+
 def _free_choice(r: Result) -> list[str]:
     """--free: AutoParallel's estimates, and where the sequence placement would win."""
     lines = []
@@ -343,7 +369,8 @@ def _free_choice(r: Result) -> list[str]:
         )
         lines += [_row("", c) for c in r.placed.considered]
     if r.placed.break_even:
-        lines.append(_row("sequence would win", r.placed.break_even))
+        first, *rest = r.placed.break_even.splitlines()
+        lines += [_row("sequence would win", first), *(_row("", line) for line in rest)]
     return lines
 
 
@@ -393,7 +420,7 @@ def _parity(r: Result) -> list[str]:
 
 
 # the report, top to bottom: a section is a function of the Result returning its lines
-SECTIONS = [_setup, _free_choice, _context_parallel, _parity]
+SECTIONS = [_setup, _strategies, _free_choice, _context_parallel, _parity]
 
 
 def report(r: Result) -> list[str]:

@@ -137,7 +137,7 @@ def report() -> str:
     for name, reason in why.items():
         lines.append(f"  {name}: " + ("usable" if reason is None else f"not usable: {reason}"))
     first = next(name for name, reason in why.items() if reason is None)
-    lines.append(f"auto runs {first} for such local calls it takes")
+    lines.append(f"auto would run {first} for such a call made on one device (not context parallel)")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
-        o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window, cp_group=self.cp_group)
+        o = dp.doc_packed_attn(q, k, v, cu_seqlens, window_size=self.window, cp_group=self.cp_group, causal=True)
         assert isinstance(o, torch.Tensor)  # return_lse=False
         return self.wo(o.reshape(B, S, -1))
 

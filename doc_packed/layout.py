@@ -8,6 +8,7 @@ every row and every rank sees the same shape.
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Sequence
 
@@ -31,9 +32,16 @@ def cu_seqlens_from_lengths(
     (padding tokens then attend only to each other). ``max_docs`` defaults to the largest
     document count of any row; shorter rows are padded with zero-length documents.
     """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
     rows = []
-    for b, row in enumerate(lengths):
-        row = [int(n) for n in row]
+    for b, given in enumerate(lengths):
+        try:  # ints, or integer scalars (numpy, 0-d tensors): never truncate 5.5 to 5
+            row = [operator.index(n) for n in given]
+        except TypeError:
+            raise TypeError(f"lengths[{b}] must hold ints (token counts), got {list(given)!r}") from None
+        if any(isinstance(n, bool) for n in given):
+            raise TypeError(f"lengths[{b}] must hold ints (token counts), not bools")
         if any(n < 0 for n in row):
             raise ValueError(f"lengths[{b}] has a negative document length: {row}")
         total = sum(row)

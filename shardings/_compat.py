@@ -29,6 +29,7 @@ __all__ = [
     "install_custom_op_handler",
     "op_dispatcher",
     "register_op_strategy",
+    "trace_artifact",
     "tree_unflatten",
     "unset_fake_temporarily",
 ]
@@ -84,3 +85,11 @@ def current_mesh() -> Any | None:
 def unset_fake_temporarily() -> Any:
     """Context manager: real tensors inside a fake-tensor mode (AutoParallel's context)."""
     return private("torch._subclasses.fake_tensor", "unset_fake_temporarily")()
+
+
+def trace_artifact(name: str, payload: Callable[[], str]) -> None:
+    """Emit a JSON artifact into the structured trace (``TORCH_TRACE``), beside AutoParallel's
+    own (``autoparallel_sharding_optimizer_log``); free when tracing is off."""
+    private("torch._logging", "trace_structured")(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"}, payload_fn=payload
+    )

@@ -7,7 +7,7 @@ Usage::
         autop.add_input_constraints(...)
         placement = autop.optimize_placement()
         placement = lower_context_parallel(autop, placement)
-        describe_attention(autop, placement, alternatives=True)   # chosen + alternatives, costs in ms
+        describe_attention(autop, placement)   # chosen + 2 alternatives, costs in ms, and why
         parallel = autop.apply_placement(placement)
 
 AutoParallel (https://github.com/meta-pytorch/autoparallel) is installed from its git
@@ -16,7 +16,8 @@ repository; this module imports nothing from it at import time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed.tensor.placement_types import Shard
@@ -25,7 +26,7 @@ from doc_packed import flops
 from doc_packed.ops import arg_index
 
 from ._ap_compat import chosen_decisions, strategy_costs, topology_config
-from ._compat import unset_fake_temporarily
+from ._compat import trace_artifact, unset_fake_temporarily
 from .costs import Pricing, active_pricing, call_us
 from .step_model import Layout, Rates, exchange_bytes, plan_for
 from .strategies import kind_of
@@ -36,6 +37,8 @@ __all__ = [
     "force_attention_layout",
     "AttentionChoice",
     "Alternative",
+    "attention_report_json",
+    "attention_report_lines",
     "attention_time_us",
     "sequence_break_even",
     "BreakEven",
@@ -133,26 +136,42 @@ def _words(layout: dict[str, str]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in layout.items())
 
 
+_COMPONENTS = ("kernel", "exchange", "redistribution")
+
+
 @dataclass(frozen=True)
 class Alternative:
     """One strategy AutoParallel offered an attention node, with its estimates in ms:
     ``compute_ms`` the local op (the CP exchange and imbalance included when sequence-sharded),
-    ``comm_ms`` redistributing the node's inputs from where the solution put their producers
-    (what it would cost its consumers is not included)."""
+    of which ``exchange_ms`` is the context-parallel exchange (split by our step model's share,
+    0 for other layouts), and ``comm_ms`` redistributing the node's inputs from where the
+    solution put their producers (what it would cost its consumers is not included)."""
 
     layout: dict[str, str]
     compute_ms: float
     comm_ms: float
     chosen: bool
+    exchange_ms: float = 0.0
+
+    @property
+    def kernel_ms(self) -> float:
+        return self.compute_ms - self.exchange_ms
 
     @property
     def total_ms(self) -> float:
         return self.compute_ms + self.comm_ms
 
+    def parts(self) -> dict[str, float]:
+        """``kernel``, ``exchange`` and ``redistribution`` in ms (they sum to :attr:`total_ms`)."""
+        return {"kernel": self.kernel_ms, "exchange": self.exchange_ms, "redistribution": self.comm_ms}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), **{f"{k}_ms": v for k, v in self.parts().items()}, "total_ms": self.total_ms}
+
     def __str__(self) -> str:
         return (
-            f"{_words(self.layout):<36} compute {self.compute_ms:8.3f} ms + communication "
-            f"{self.comm_ms:8.3f} ms = {self.total_ms:8.3f} ms"
+            f"{_words(self.layout):<30} kernel {self.kernel_ms:7.3f} + exchange {self.exchange_ms:7.3f} "
+            f"+ redistribution {self.comm_ms:7.3f} = {self.total_ms:7.3f} ms"
         )
 
 
@@ -167,32 +186,94 @@ class AttentionChoice:
     redistribute_us: float  # AutoParallel's estimate for reshaping its inputs
     source: str = ""
     cp: dict = field(default_factory=dict)  # balance / traffic of the plan, when sequence-sharded
-    # with describe_attention(alternatives=True): the chosen strategy first, then the cheapest others
+    # the chosen strategy first, then the cheapest others (describe_attention's ``top``)
     alternatives: list[Alternative] = field(default_factory=list)
 
-    def __str__(self) -> str:
-        s = (
-            f"{self.node:<12} {self.role:<8} {_words(self.layout):<44} compute {self.compute_us / 1e3:8.3f} ms"
-            f"  redistribute {self.redistribute_us / 1e3:8.3f} ms"
+    def why(self) -> str:
+        """Why the chosen layout won, from the figures of this node alone."""
+        if not self.alternatives or not self.alternatives[0].chosen:
+            return ""
+        chosen, others = self.alternatives[0], self.alternatives[1:]
+        if not others:
+            return "the only layout offered"
+        best = min(others, key=lambda a: a.total_ms)
+        delta = best.total_ms - chosen.total_ms
+        if delta >= 0:
+            diffs = {k: best.parts()[k] - chosen.parts()[k] for k in _COMPONENTS}
+            what = max(diffs, key=lambda k: diffs[k])
+            return (
+                f"cheapest here: the next best, {_words(best.layout)}, costs {delta:.3f} ms more, mostly "
+                f"{what} ({diffs[what]:+.3f} ms)"
+            )
+        return (
+            f"{_words(best.layout)} is {-delta:.3f} ms cheaper at this node alone; the solver minimises the "
+            "whole graph (its neighbours' redistributions are not in these figures) and keeps any constraint "
+            "(force_attention_layout)"
         )
-        for alt in self.alternatives:
-            if not alt.chosen:  # the chosen one is the line above
-                s += f"\n{'':<22}instead: {alt}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready: every field, ``why``, and each alternative's kernel/exchange/redistribution."""
+        d = asdict(self)
+        d["alternatives"] = [a.to_dict() for a in self.alternatives]
+        d["why"] = self.why()
+        return d
+
+    def __str__(self) -> str:
+        head = f"{self.node} ({self.role}): {_words(self.layout)}"
+        if self.source:
+            head += f"   [{self.source}]"
+        lines = [head]
+        if self.alternatives:
+            for alt in self.alternatives:
+                lines.append(f"    {'chosen ' if alt.chosen else 'instead'} {alt}")
+            lines.append(f"    why: {self.why()}")
+        else:
+            lines.append(
+                f"    compute {self.compute_us / 1e3:.3f} ms, redistribution {self.redistribute_us / 1e3:.3f} ms"
+            )
         if self.cp:
-            s += (
-                f"\n{'':<22}cp={self.cp['cp']} imbalance {self.cp['imbalance']:.3f}, K/V in "
+            lines.append(
+                f"    plan: cp={self.cp['cp']} imbalance {self.cp['imbalance']:.3f}, K/V in "
                 f"{self.cp['kv_recv_tokens']} tok/row-set (all-gather {self.cp['all_gather_tokens']}), "
                 f"queries moved {self.cp['q_moved_tokens']}, exchange {self.cp['exchange_MB']:.1f} MB/rank"
             )
-        return s
+        return "\n".join(lines)
 
 
-def _alternatives(optimizer, node, q_index: int, names, top: int) -> list[Alternative]:
+def attention_report_json(choices: list[AttentionChoice]) -> str:
+    """:func:`describe_attention`'s report as JSON: one object per attention node."""
+    return json.dumps([c.to_dict() for c in choices], indent=1)
+
+
+def _exchange_share(strategy, q_index: int, node, mesh) -> float:
+    """The share of the node's local cost that is the context-parallel exchange, by the active
+    pricing's step model (0 when not sequence-sharded or nothing prices it)."""
+    p = active_pricing()
+    spec = strategy.input_specs[q_index]
+    if p is None or Shard(1) not in spec.placements:
+        return 0.0
+    shape = list(spec.tensor_meta.shape)
+    kv = strategy.input_specs[q_index + 1].tensor_meta.shape[2]
+    for n, pl in zip(mesh.shape, spec.placements):
+        if pl.is_shard():
+            shape[pl.dim] = -(-shape[pl.dim] // n)
+            kv = -(-kv // n) if pl.dim == 2 else kv
+    causal, left, right = (_arg(node, n) for n in ("causal", "window_left", "window_right"))
+    seq_len = spec.tensor_meta.shape[1]
+    cost = call_us(
+        p, tuple(shape), kv, seq_len, causal, left, right, spec.tensor_meta.dtype, _ROLES[node.target] == "backward",
+        _arg(node, "planning_doc_len") or 0, None,
+    )  # fmt: skip
+    return cost.exchange / cost.total if cost.total > 0 else 0.0
+
+
+def _alternatives(optimizer, node, q_index: int, names, top: int, mesh) -> list[Alternative]:
     """The chosen strategy, then the ``top`` cheapest others (one per layout in words)."""
     best: dict[tuple[str, ...], Alternative] = {}
     for strategy, compute, comm, is_chosen in strategy_costs(optimizer, node):
         kinds = kind_of(strategy.input_specs[q_index].placements)
-        alt = Alternative(dict(zip(names, kinds)), compute / 1e3, comm / 1e3, is_chosen)
+        share = _exchange_share(strategy, q_index, node, mesh)
+        alt = Alternative(dict(zip(names, kinds)), compute / 1e3, comm / 1e3, is_chosen, compute / 1e3 * share)
         old = best.get(kinds)
         if old is None or alt.chosen or (not old.chosen and alt.total_ms < old.total_ms):
             best[kinds] = alt
@@ -206,16 +287,20 @@ def describe_attention(
     *,
     cu_seqlens: torch.Tensor | None = None,
     print_report: bool = True,
-    alternatives: bool = False,
-    top: int = 3,
+    alternatives: bool = True,
+    top: int = 2,
+    json_path: str | None = None,
 ):
     """Every ``doc_packed`` node's chosen placement, cost estimates and CP plan, in words.
 
     ``cu_seqlens`` (a real, global one) makes the CP figures those of that layout; by default
-    they come from the node's planning hint (:func:`doc_packed.planning`). With
-    ``alternatives=True`` each choice also lists the chosen strategy and the ``top`` cheapest
-    other layouts AutoParallel offered that node, with its compute and communication estimates
-    in ms (:class:`Alternative`). For the rest of the graph see
+    they come from the node's planning hint (:func:`doc_packed.planning`). Each choice lists
+    the chosen strategy and the ``top`` (2) cheapest other layouts AutoParallel offered that
+    node, with its estimates in ms split into kernel, CP exchange and redistribution
+    (:class:`Alternative`), and says why the chosen one won (:meth:`AttentionChoice.why`);
+    ``alternatives=False`` skips them. The report is also JSON: written to ``json_path`` when
+    given, and always emitted into ``TORCH_TRACE`` as the artifact ``doc_packed_attention``,
+    beside AutoParallel's own (:func:`attention_report_json`). For the rest of the graph see
     ``autop.sharding_optimizer.get_json()`` (placements, costs and source line of every node)
     and ``autop.sharding_optimizer.get_log(verbose=True)``.
     """
@@ -282,15 +367,27 @@ def describe_attention(
                 redistribute_us=redistribute,
                 source=source,
                 cp=cp_info,
-                alternatives=_alternatives(autop.sharding_optimizer, node, q_index, names, top) if alternatives else [],
+                alternatives=_alternatives(autop.sharding_optimizer, node, q_index, names, top, mesh)
+                if alternatives
+                else [],
             )
         )
+    trace_artifact("doc_packed_attention", lambda: attention_report_json(choices))
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            f.write(attention_report_json(choices))
     if print_report:
-        print("doc_packed attention placements (AutoParallel's estimates):")
-        for c in choices:
-            print(" ", c)
-        print("  rest of the graph: autop.sharding_optimizer.get_json() / .get_log(verbose=True)")
+        print("\n".join(attention_report_lines(choices)))
     return choices
+
+
+def attention_report_lines(choices: list[AttentionChoice]) -> list[str]:
+    """The printed report: per attention node its layout, the alternatives and why."""
+    lines = ["doc_packed attention placements (AutoParallel's estimates, ms per call):"]
+    for c in choices:
+        lines += ["  " + line for line in str(c).splitlines()]
+    lines.append("  rest of the graph: autop.sharding_optimizer.get_json() / .get_log(verbose=True)")
+    return lines
 
 
 def attention_time_us(

@@ -70,7 +70,7 @@ def varlen_dtensor(rank, world, cases):
         ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, cu, True, c["window"])
         pl = [Shard(c["dim"])] if c["dim"] is not None else [Replicate()]
         dq_, dk_, dv_ = (distribute_tensor(t, mesh, pl).requires_grad_() for t in (q, k, v))
-        out, lse = dp.doc_packed_attn_varlen(dq_, dk_, dv_, cu, None, window_size=c["window"], return_lse=True)
+        out, lse = dp.doc_packed_attn_varlen(dq_, dk_, dv_, cu, None, window_size=c["window"], return_lse=True, causal=True)
         grads = torch.autograd.grad(out, (dq_, dk_, dv_), distribute_tensor(dout, mesh, out.placements))
         err = max(
             (out.full_tensor() - ref_out).abs().max().item(),
@@ -101,7 +101,7 @@ def uneven_sequence(rank, world, S, placements_names, mesh_shape):
     ref_out, ref_lse = reference(rq, rk, rv, cu, True, (5, 0))
     ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout)
     dq_, dk_, dv_ = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v))
-    out, lse = dp.doc_packed_attn(dq_, dk_, dv_, cu, window_size=(5, 0), return_lse=True)
+    out, lse = dp.doc_packed_attn(dq_, dk_, dv_, cu, window_size=(5, 0), return_lse=True, causal=True)
     grads = torch.autograd.grad(out, (dq_, dk_, dv_), distribute_tensor(dout, mesh, out.placements))
     err = max(
         (out.full_tensor() - ref_out).abs().max().item(),
@@ -124,7 +124,7 @@ def sequence_not_kept(rank, world, two_dims=False):
     dq = distribute_tensor(q, mesh, [Shard(1), Shard(1)] if two_dims else [Shard(0), Shard(1)])
     try:
         with dp.planning(doc_len=None, cp_dim=None if two_dims else "a"):
-            dp.doc_packed_attn(dq, dq, dq, cu)
+            dp.doc_packed_attn(dq, dq, dq, cu, causal=True)
     except ValueError as e:
         return str(e)
     return None

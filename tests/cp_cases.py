@@ -118,7 +118,7 @@ def compiled_cp(rank, world):
     errors = []
     for group in (dist.group.WORLD.group_name, dist.group.WORLD):
         def attn(q, k, v, cu):
-            return dp.doc_packed_attn(q, k, v, cu, cp_group=group)
+            return dp.doc_packed_attn(q, k, v, cu, cp_group=group, causal=True)
 
         torch._dynamo.reset()
         ref = attn(*shard, cu)

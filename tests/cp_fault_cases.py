@@ -155,7 +155,7 @@ def divergent_history(rank, world, kinds):
             cuts = [(a, b) for a in range(1, 63) for b in range(a + 1, 64)][:n]  # distinct layouts
             x = _on_device(torch.randn(1, 64, 1, 4, dtype=DTYPE))
             for a, b in cuts:
-                dp.doc_packed_attn(x, x, x, dp.cu_seqlens_from_lengths([[a, b - a, 64 - b]], 64).to(x.device))
+                dp.doc_packed_attn(x, x, x, dp.cu_seqlens_from_lengths([[a, b - a, 64 - b]], 64).to(x.device), causal=True)
             if kind == "clear":
                 _doc_layout.clear_cache()
             if kind == "add_zero":
@@ -206,12 +206,12 @@ def pass_divergence(rank, world):
     message = None
     try:
         if rank == 0:
-            out = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32)
+            out = dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32, causal=True)
             # the forward above is agreed by rank 1's forward below; now rank 0 goes backward
             out.sum().backward()
         else:
-            dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32)
-            dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32)
+            dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32, causal=True)
+            dp.doc_packed_attn(lq, lk, lv, cu, cp_group=_group(), seq_len=32, causal=True)
     except ValueError as e:
         message = str(e)
     return message, cp_step(rank, world, base)
@@ -257,7 +257,7 @@ def _local_fault(rank, world, what):
             lk = lk[:, :, :1].expand(-1, -1, 3, -1)
     result = None
     try:
-        dp.doc_packed_attn(lq, lk, lv, cu, **kwargs)
+        dp.doc_packed_attn(lq, lk, lv, cu, **{"causal": True, **kwargs})
     except (TypeError, ValueError) as e:
         result = (str(e), type(e).__name__)
     return result, cp_step(rank, world, dict(lengths=[[10, 22]], S=S, Hq=2, Hkv=2, D=8))

@@ -57,7 +57,7 @@ def cp_variant_parity(rank, world, cases):
             sinks=ls,
             softcap=softcap,
             prefix_lens=prefix,
-            return_max_logits=True,
+            return_max_logits=True, causal=True,
         )
         loss = (out * chunk(dout)).sum() + (0 if wl is None else (lse * wl.chunk(world, dim=2)[rank]).sum())
         grads = torch.autograd.grad(loss, (lq, lk, lv) + (() if ls is None else (ls,)))
@@ -106,7 +106,7 @@ def dtensor_variant_parity(rank, world, cases):
         ls = sinks.clone().requires_grad_()
         dcu = distribute_tensor(cu, mesh, [Shard(0) if p == Shard(0) else Replicate() for p in placements])
         out, lse, mx = dp.doc_packed_attn(
-            dq_, dk_, dv_, dcu, return_lse=True, sinks=ls, softcap=softcap, prefix_lens=prefix, return_max_logits=True
+            dq_, dk_, dv_, dcu, return_lse=True, sinks=ls, softcap=softcap, prefix_lens=prefix, return_max_logits=True, causal=True
         )
         assert isinstance(out, DTensor)
         grads = torch.autograd.grad(out, (dq_, dk_, dv_, ls), distribute_tensor(dout, mesh, out.placements))

@@ -286,13 +286,40 @@ def test_describe_attention_alternatives_are_autoparallels_estimates():
                 assert a.compute_ms * 1e3 == pytest.approx(ours, rel=1e-6), (c.role, a)
         seq = next(a for a in others if a.layout == {"cp": "sequence"})
         assert seq.compute_ms > chosen.compute_ms
-        assert "instead: cp: sequence" in str(c) and " ms" in str(c)
-    plain = describe_attention(autop, placement, print_report=False)
+        assert "instead cp: sequence" in str(c) and " ms" in str(c)
+        # the exchange is part of the sequence layout's compute, split by the step model's share
+        assert seq.exchange_ms > 0 and chosen.exchange_ms == 0
+        assert seq.kernel_ms + seq.exchange_ms == pytest.approx(seq.compute_ms)
+        assert sum(seq.parts().values()) == pytest.approx(seq.total_ms)
+        assert c.why().startswith("cheapest here: the next best, cp: ") and "mostly" in c.why()
+    plain = describe_attention(autop, placement, print_report=False, alternatives=False)
     assert all(c.alternatives == [] for c in plain)
+    two = describe_attention(autop, placement, print_report=False)  # default: the chosen + 2 others
+    assert all(len(c.alternatives) <= 3 and c.alternatives[0].chosen for c in two)
     one = describe_attention(autop, placement, print_report=False, alternatives=True, top=0)
     assert all(len(c.alternatives) == 1 and c.alternatives[0].chosen for c in one)
     with pytest.raises(ValueError, match="top must be an int >= 0"):
         describe_attention(autop, placement, print_report=False, alternatives=True, top=-1)
+
+
+def test_describe_attention_json(tmp_path):
+    """The report as JSON (file and TORCH_TRACE artifact): every node, its alternatives with
+    kernel / exchange / redistribution, and why the chosen won."""
+    import json
+
+    from shardings.autoparallel import attention_report_json
+
+    _, autop, placement, choices = _small_plan()
+    path = tmp_path / "attention.json"
+    again = describe_attention(autop, placement, print_report=False, json_path=str(path))
+    data = json.loads(path.read_text())
+    assert data == json.loads(attention_report_json(again))
+    assert [d["node"] for d in data] == [c.node for c in choices]
+    for d, c in zip(data, again):  # (outside the plan's pricing block the exchange share may differ)
+        assert d["layout"] == c.layout and d["why"] == c.why()
+        first = d["alternatives"][0]
+        assert first["chosen"] and first["total_ms"] == pytest.approx(c.alternatives[0].total_ms)
+        assert {"kernel_ms", "exchange_ms", "redistribution_ms"} <= set(first)
 
 
 def test_sequence_break_even_is_where_the_costs_cross():

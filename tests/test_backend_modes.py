@@ -50,7 +50,7 @@ def test_modes_run_and_match_the_oracle(mode):
     k = torch.randn(2, 16, 2, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 16, 2, 8, dtype=torch.float64, requires_grad=True)
     cu = dp.cu_seqlens_from_lengths([[5, 11], [16]], 16, max_docs=3)
-    out = dp.doc_packed_attn(q, k, v, cu, backend=mode)
+    out = dp.doc_packed_attn(q, k, v, cu, backend=mode, causal=True)
     ref, _ = reference(q, k, v, cu)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     g = torch.autograd.grad(out.sum(), (q, k, v))
@@ -63,7 +63,7 @@ def test_a_nan_stays_in_its_document_under_auto_isolated():
     q, k, v = (torch.randn(1, 12, 2, 8) for _ in range(3))
     v[0, 2] = float("nan")
     cu = dp.cu_seqlens_from_lengths([[4, 8]], 12, max_docs=2)
-    out = dp.doc_packed_attn(q, k, v, cu, backend="auto-isolated")
+    out = dp.doc_packed_attn(q, k, v, cu, backend="auto-isolated", causal=True)
     assert out[0, :4].isnan().any() and not out[0, 4:].isnan().any()
 
 
@@ -71,4 +71,4 @@ def test_unknown_mode_is_refused():
     q = torch.randn(1, 8, 2, 8)
     cu = dp.cu_seqlens_from_lengths([[8]], 8)
     with pytest.raises(ValueError, match="backend must be one of"):
-        dp.doc_packed_attn(q, q, q, cu, backend="auto-fast")
+        dp.doc_packed_attn(q, q, q, cu, backend="auto-fast", causal=True)

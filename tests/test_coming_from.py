@@ -149,7 +149,7 @@ def test_sdpa_layout_and_is_causal():
     q, k, v = _rows(B, S, 4, 4)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     cu = dp.cu_seqlens_from_lengths([[S]] * B, S)
-    ours = dp.doc_packed_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu).transpose(1, 2)
+    ours = dp.doc_packed_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, causal=True).transpose(1, 2)
     torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-10)
 
 
@@ -171,11 +171,11 @@ def test_torchtitan_flex_document_and_sliding_window(W):
     ref_out, ref_lse = _flex(q, k, v, mask_mod, B, S)
     cu = dp.cu_seqlens_from_eos(tokens, eos_id)
     out, lse = dp.doc_packed_attn(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, window_size=(W - 1, 0), return_lse=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, window_size=(W - 1, 0), return_lse=True, causal=True
     )
     torch.testing.assert_close(out.transpose(1, 2), ref_out, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
-    off_by_one = dp.doc_packed_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, window_size=(W, 0))
+    off_by_one = dp.doc_packed_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, window_size=(W, 0), causal=True)
     assert (off_by_one.transpose(1, 2) - ref_out).abs().max() > 1e-3  # (W, 0) sees one key more
 
 
@@ -192,9 +192,9 @@ def test_torchtitan_varlen_metadata():
     cu_tt, max_tt = torchtitan_varlen_cu(tokens, eos_id)
     flat = lambda t: t.transpose(1, 2).flatten(0, 1)  # noqa: E731  (torchtitan's xq.transpose(1, 2).flatten(0, 1))
     ref, _ = flash_varlen_reference(flat(q), flat(k), flat(v), cu_tt, False, (-1, 0))
-    theirs = dp.doc_packed_attn_varlen(flat(q), flat(k), flat(v), cu_tt, max_tt)
+    theirs = dp.doc_packed_attn_varlen(flat(q), flat(k), flat(v), cu_tt, max_tt, causal=True)
     rows = dp.doc_packed_attn(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dp.cu_seqlens_from_eos(tokens, eos_id)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dp.cu_seqlens_from_eos(tokens, eos_id), causal=True
     )
     torch.testing.assert_close(theirs, ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(rows.flatten(0, 1), ref, atol=1e-10, rtol=1e-10)

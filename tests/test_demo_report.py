@@ -50,3 +50,27 @@ def test_plots(tmp_path, monkeypatch):
     assert demo.write_plots(_result(True), str(tmp_path)) == (
         "plots: matplotlib is not installed (pip install matplotlib); text report only"
     )
+
+
+def test_without_autoparallel_the_report_says_what_it_skipped():
+    """--free without AutoParallel is not silently ignored: the report names what was left out."""
+    import torch
+
+    args = argparse.Namespace(free=True, eager=True)
+    why = "AutoParallel: does not import: ModuleNotFoundError: No module named 'autoparallel'"
+    placed = demo._manual_cp_model(args, demo.Transformer(**demo.MODEL).double().state_dict(), why)
+    r = _result(True)
+    r.placed = placed
+    text = "\n".join(demo.report(r))
+    assert "skipped" in text and "describe_attention" in text and "--free's estimates and break-even" in text
+    assert why in text
+    plain = demo._manual_cp_model(argparse.Namespace(free=False, eager=True), {k: v for k, v in placed.model.state_dict().items()})
+    assert plain.skipped == ""
+    assert isinstance(placed.model, torch.nn.Module)
+
+
+def test_strategy_report_lines_are_printed():
+    r = _result(False)
+    r.placed.strategies = ["attn_fwd (forward): cp: replicate", "    why: cheapest here"]
+    text = "\n".join(demo.report(r))
+    assert "strategies" in text and "why: cheapest here" in text

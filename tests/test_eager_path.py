@@ -61,15 +61,15 @@ def test_without_grad_no_autograd_node_and_same_values():
     case = CASES[0]
     q, k, v, cu = _problem(case)
     with torch.no_grad():
-        out = dp.doc_packed_attn(q, k, v, cu, backend="math")
+        out = dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True)
     assert out.grad_fn is None
-    assert torch.equal(out, dp.doc_packed_attn(q, k, v, cu, backend="math"))
+    assert torch.equal(out, dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True))
 
 
 def test_flop_counter_sees_the_op():
     q, k, v, cu = _problem(CASES[2])
     with FlopCounterMode(display=False) as counter:
-        dp.doc_packed_attn(q, k, v, cu, window_size=(4, 0), backend="math").sum().backward()
+        dp.doc_packed_attn(q, k, v, cu, window_size=(4, 0), backend="math", causal=True).sum().backward()
     counts = counter.get_flop_counts()["Global"]
     fwd, bwd = torch.ops.doc_packed.attn_fwd, torch.ops.doc_packed.attn_bwd
     # one 16-token document, window (4, 0), Hq 4, D 8: pairs = 1 + 2 + 3 + 4 + 12 * 5 = 70
@@ -107,24 +107,24 @@ def test_compiled_call_keeps_the_op_in_the_graph():
         ops_seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm
 
-    f = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn(q, k, v, cu, backend="math"), backend=backend,
+    f = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True), backend=backend,
                       fullgraph=True)
     out = f(q, k, v, cu)
     assert any("doc_packed.attn_fwd" in s for s in ops_seen), ops_seen
-    torch.testing.assert_close(out, dp.doc_packed_attn(q, k, v, cu, backend="math"), rtol=0, atol=0)
+    torch.testing.assert_close(out, dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True), rtol=0, atol=0)
 
 
 def test_profiler_names_the_calls():
     q, k, v, cu = _problem(CASES[0])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        dp.doc_packed_attn(q, k, v, cu, backend="math").sum().backward()
+        dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True).sum().backward()
     names = {e.name for e in prof.events()}
     assert "doc_packed::attn_fwd" in names and "doc_packed::attn_bwd" in names
 
 
 def test_double_backward_is_refused_clearly():
     q, k, v, cu = _problem(CASES[0])
-    out = dp.doc_packed_attn(q, k, v, cu, backend="math")
+    out = dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True)
     (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|double backward|does not require grad"):
         gq.sum().backward()

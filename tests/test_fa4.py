@@ -77,7 +77,7 @@ def test_import_never_imports_flash_attn(tmp_path):
         text = env.report()
         assert "flash-attn-4: installed" in text, text
         q = torch.randn(1, 8, 2, 16)
-        dp.doc_packed_attn(q, q, q, dp.cu_seqlens_from_lengths([[8]], 8))
+        dp.doc_packed_attn(q, q, q, dp.cu_seqlens_from_lengths([[8]], 8), causal=True)
         assert not [m for m in sys.modules if m.split(".")[0] == "flash_attn"]
         print("ok")
         """
@@ -247,10 +247,10 @@ def test_lse_is_asked_of_fa4_only_where_it_is_used(oracle_fa4, rng):
     q, k, v = (torch.randn(1, S, h, D, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
     ref_out, ref_lse = reference(q, k, v, cu)
     with torch.no_grad():
-        torch.testing.assert_close(dp.doc_packed_attn(q, k, v, cu, backend="fa4"), ref_out)
-        out, lse = dp.doc_packed_attn(q, k, v, cu, backend="fa4", return_lse=True)
+        torch.testing.assert_close(dp.doc_packed_attn(q, k, v, cu, backend="fa4", causal=True), ref_out)
+        out, lse = dp.doc_packed_attn(q, k, v, cu, backend="fa4", return_lse=True, causal=True)
     torch.testing.assert_close(lse, ref_lse)
-    out = dp.doc_packed_attn(q.requires_grad_(), k, v, cu, backend="fa4")
+    out = dp.doc_packed_attn(q.requires_grad_(), k, v, cu, backend="fa4", causal=True)
     torch.testing.assert_close(out, ref_out)
     assert [c["return_lse"] for c in oracle_fa4 if c["pass_"] == "fwd"] == [False, True, True]
 
@@ -265,7 +265,7 @@ def test_hopper_gqa_backward_with_a_value_head_dim_unlike_q_runs_on_repeated_kv(
     k = torch.randn(1, S, Hkv, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, S, Hkv, Dv, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(1, S, Hq, Dv, dtype=torch.float64)
-    out = dp.doc_packed_attn(q, k, v, cu, backend="fa4")
+    out = dp.doc_packed_attn(q, k, v, cu, backend="fa4", causal=True)
     got = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, _ = reference(q, k, v, cu)
     want = torch.autograd.grad(ref_out, (q, k, v), dout)
@@ -335,7 +335,7 @@ def test_forced_fa4_on_cpu_raises_before_any_kernel():
     q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
     cu = dp.cu_seqlens_from_lengths([[16]], 16)
     with pytest.raises(ValueError, match="backend='fa4' needs a CUDA tensor, got cpu"):
-        dp.doc_packed_attn(q, q, q, cu, backend="fa4")
+        dp.doc_packed_attn(q, q, q, cu, backend="fa4", causal=True)
     with pytest.raises(ValueError, match="backend='fa4' needs a CUDA tensor, got cpu"):
         env.backend_for(q, q, cu, backend="fa4")
 
@@ -344,7 +344,7 @@ def test_unknown_backend_lists_the_table():
     q = torch.randn(1, 16, 4, 64)
     cu = dp.cu_seqlens_from_lengths([[16]], 16)
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'auto-isolated', 'auto-invariant', 'fa4', 'flex', 'flash', 'math'\), got 'fa3'"):
-        dp.doc_packed_attn(q, q, q, cu, backend="fa3")
+        dp.doc_packed_attn(q, q, q, cu, backend="fa3", causal=True)
 
 
 # ----------------------------------------------------------------------------- auto's choice
@@ -431,7 +431,7 @@ def test_python_m_env_runs():
     res = subprocess.run([sys.executable, "-m", "doc_packed.env"], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "fa4: " in res.stdout and "auto runs " in res.stdout
+    assert "fa4: " in res.stdout and "auto would run " in res.stdout
 
 
 def test_interface_loads_where_warnings_are_errors(tmp_path, monkeypatch):

@@ -104,7 +104,7 @@ def test_nan_in_one_row_leaves_the_other_row_alone():
     cu = torch.tensor([[0, 4], [0, 4]], dtype=torch.int32)
     dout = torch.randn(2, 4, 1, 8)
     _check_per_document(q, k, v, dout, cu, True, (-1, -1), clean_docs={(1, 0, 4)})
-    out = dp.doc_packed_attn(q, k, v, cu)
+    out = dp.doc_packed_attn(q, k, v, cu, causal=True)
     ref, _ = reference(q[1:], k[1:], v[1:], cu[1:])
     torch.testing.assert_close(out[1:].double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -392,9 +392,9 @@ def test_a_write_to_cu_seqlens_is_always_seen(write, inference):
     assert cu[0, 1] == 4
     write(cu, 0, 2, 3)  # invalid: decreasing
     with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be non-decreasing, but entry 2 \(3\) < entry 1 \(4\)"):
-        dp.doc_packed_attn(q, k, v, cu)
+        dp.doc_packed_attn(q, k, v, cu, causal=True)
     write(cu, 0, 2, 10)  # valid again
-    torch.testing.assert_close(dp.doc_packed_attn(q, k, v, cu), reference(q, k, v, cu.clone())[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(dp.doc_packed_attn(q, k, v, cu, causal=True), reference(q, k, v, cu.clone())[0], atol=1e-10, rtol=0)
 
 
 def test_equal_values_share_one_layout_and_invalid_values_are_never_cached():
@@ -413,13 +413,13 @@ def test_per_layout_memo_is_bounded():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, S, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
     layout = _doc_layout.get_layout(cu, S)
-    first = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0))
+    first = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0), causal=True)
     for left in range(1, 401):  # 400 distinct windows on one layout
-        dp.doc_packed_attn(q, k, v, cu, window_size=(left, 0))
+        dp.doc_packed_attn(q, k, v, cu, window_size=(left, 0), causal=True)
         assert len(layout._derived) <= _doc_layout._DERIVED_SIZE
     assert _doc_layout.get_layout(cu, S) is layout
     # the evicted entry is rebuilt, not wrong
-    again = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0))
+    again = dp.doc_packed_attn(q, k, v, cu, window_size=(0, 0), causal=True)
     assert torch.equal(again, first)
     torch.testing.assert_close(again, reference(q, k, v, cu, True, (0, 0))[0], atol=1e-12, rtol=0)
 
@@ -448,7 +448,7 @@ def test_cuda_cache_sees_versioned_writes_and_never_caches_inference_tensors():
     cu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32, device="cuda")
 
     def check(cu):
-        out = dp.doc_packed_attn(q, k, v, cu, backend="math")
+        out = dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True)
         ref, _ = reference(q.cpu(), k.cpu(), v.cpu(), cu.cpu())
         torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -457,7 +457,7 @@ def test_cuda_cache_sees_versioned_writes_and_never_caches_inference_tensors():
     check(cu)
     cu[0, 2] = 3
     with pytest.raises(ValueError, match=r"must be non-decreasing, but entry 2 \(3\) < entry 1 \(9\)"):
-        dp.doc_packed_attn(q, k, v, cu, backend="math")
+        dp.doc_packed_attn(q, k, v, cu, backend="math", causal=True)
     with torch.inference_mode():  # inference tensors have no version counter: read every call
         icu = torch.tensor([[0, 4, 10, 16], [0, 16, 16, 16]], dtype=torch.int32, device="cuda")
         check(icu)
@@ -465,7 +465,7 @@ def test_cuda_cache_sees_versioned_writes_and_never_caches_inference_tensors():
         check(icu)
         icu[0, 2] = 3
         with pytest.raises(ValueError, match=r"must be non-decreasing, but entry 2 \(3\) < entry 1 \(7\)"):
-            dp.doc_packed_attn(q, k, v, icu, backend="math")
+            dp.doc_packed_attn(q, k, v, icu, backend="math", causal=True)
 
 
 # ----------------------------------------------------------------------------- 5. validation
@@ -501,7 +501,7 @@ TENSOR_ERRORS = [
     (
         lambda q, k, v, cu: (q[:, :, :0], k[:, :, :1], v[:, :, :1], cu),
         ValueError,
-        "q has an empty dimension: shape (2, 16, 0, 8)",
+        "q [B, S, H_q, D] has H_q (heads) = 0: shape (2, 16, 0, 8)",
     ),
     (lambda q, k, v, cu: (q[:, :, :3], k, v, cu), ValueError, "q has 3 heads and k/v have 2"),
     (lambda q, k, v, cu: (q.int(), k, v, cu), TypeError, "q has dtype torch.int32"),
@@ -526,13 +526,13 @@ def _msg(text: str) -> str:
 @pytest.mark.parametrize("kw,exc,text", CALL_ERRORS)
 def test_argument_errors(kw, exc, text):
     with pytest.raises(exc, match=_msg(text)):
-        dp.doc_packed_attn(*_ok(), **kw)
+        dp.doc_packed_attn(*_ok(), **{"causal": True, **kw})
 
 
 @pytest.mark.parametrize("mutate,exc,text", TENSOR_ERRORS)
 def test_tensor_errors(mutate, exc, text):
     with pytest.raises(exc, match=_msg(text)):
-        dp.doc_packed_attn(*mutate(*_ok()))
+        dp.doc_packed_attn(*mutate(*_ok()), causal=True)
 
 
 def _eager_error(fn, *args):
@@ -556,7 +556,7 @@ def test_errors_under_compile_fullgraph_are_ours(case):
         kw, args = {}, mutate(*_ok())
 
     def step(q, k, v, cu):
-        return dp.doc_packed_attn(q, k, v, cu, **kw).float().sum()
+        return dp.doc_packed_attn(q, k, v, cu, **{"causal": True, **kw}).float().sum()
 
     want = _eager_error(step, *args)
     compiled = torch.compile(step, fullgraph=True, backend="eager")
@@ -571,7 +571,7 @@ def test_a_compiled_function_still_runs_valid_calls_after_an_invalid_one():
     torch._dynamo.reset()
 
     def step(q, k, v, cu, left):
-        return dp.doc_packed_attn(q, k, v, cu, window_size=(left, 0))
+        return dp.doc_packed_attn(q, k, v, cu, window_size=(left, 0), causal=True)
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     q, k, v, cu = _ok()

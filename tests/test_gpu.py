@@ -195,7 +195,7 @@ def test_fa4_replay_through_the_op_with_gradients(monkeypatch):
         res = []
         for q, k, v, dout in layers:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            out = dp.doc_packed_attn(qq, kk, vv, cu, backend="fa4")
+            out = dp.doc_packed_attn(qq, kk, vv, cu, backend="fa4", causal=True)
             out.backward(dout)
             res.append((out.detach(), qq.grad, kk.grad, vv.grad))
         return res
@@ -214,17 +214,17 @@ def test_fa4_rules_raise_before_the_kernel():
     cu = dp.cu_seqlens_from_lengths([[120]], 120).cuda()  # not % 128: auto never compiles flex
     q = torch.randn(1, 120, 6, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="backend='fa4' needs float16/bfloat16, got torch.float32"):
-        dp.doc_packed_attn(q.float(), q.float(), q.float(), cu, backend="fa4")
+        dp.doc_packed_attn(q.float(), q.float(), q.float(), cu, backend="fa4", causal=True)
     with pytest.raises(ValueError, match="backend='fa4' needs head dim"):
         q12 = torch.randn(1, 120, 4, 12, device="cuda", dtype=torch.bfloat16)
-        dp.doc_packed_attn(q12, q12, q12, cu, backend="fa4")
+        dp.doc_packed_attn(q12, q12, q12, cu, backend="fa4", causal=True)
     kv = q[:, :, :2]
     with pytest.raises(ValueError, match="backend='fa4' needs q heads / kv heads a power of two"):
-        dp.doc_packed_attn(q, kv, kv, cu, backend="fa4")
+        dp.doc_packed_attn(q, kv, kv, cu, backend="fa4", causal=True)
     from doc_packed import env
 
     assert env.backend_for(q, kv, cu) != "fa4"  # auto: GQA 3:1 goes elsewhere
-    out = dp.doc_packed_attn(q, kv, kv, cu)
+    out = dp.doc_packed_attn(q, kv, kv, cu, causal=True)
     assert torch.isfinite(out).all()
 
 
@@ -266,12 +266,12 @@ def test_backend_no_sync_after_first_call(backend):
     spec = local_spec(get_layout(cu, S), True, -1, 0)
     want = {"auto": "flex" if FA4_WHY_NOT else "fa4"}.get(backend, backend)
     assert kernels.choose(backend, spec, q.view(S, 16, 128), 4) == want
-    dp.doc_packed_attn(q, k, v, cu, backend=backend).sum().backward()  # first call: reads cu once
+    dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True).sum().backward()  # first call: reads cu once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):  # later layers / calls: no host sync
-            dp.doc_packed_attn(q, k, v, cu, backend=backend).float().sum().backward()
+            dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True).float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -284,12 +284,12 @@ def test_cuda_compile_fullgraph(backend):
     k = torch.randn(1, S, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     f = torch.compile(
-        lambda q, k, v, cu: dp.doc_packed_attn(q, k, v, cu, backend=backend).float().square().sum(),
+        lambda q, k, v, cu: dp.doc_packed_attn(q, k, v, cu, backend=backend, causal=True).float().square().sum(),
         fullgraph=True,
     )
     loss = f(q, k, v, cu)
     g = torch.autograd.grad(loss, (q, k, v))
-    ref = dp.doc_packed_attn(q, k, v, cu, backend="flash").float().square().sum()
+    ref = dp.doc_packed_attn(q, k, v, cu, backend="flash", causal=True).float().square().sum()
     rg = torch.autograd.grad(ref, (q, k, v))
     assert rel(loss.detach(), ref.detach()) < 1e-3
     for a, b in zip(g, rg):
@@ -300,13 +300,13 @@ def test_cuda_bad_inputs():
     q = torch.randn(1, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
     cu = dp.cu_seqlens_from_lengths([[16]], 16)
     with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
-        dp.doc_packed_attn(q, q, q, cu)
+        dp.doc_packed_attn(q, q, q, cu, causal=True)
     with pytest.raises(TypeError, match="float64 is supported on CPU only"):
-        dp.doc_packed_attn(q.double(), q.double(), q.double(), cu.cuda())
+        dp.doc_packed_attn(q.double(), q.double(), q.double(), cu.cuda(), causal=True)
     with pytest.raises(ValueError, match="backend='flash'"):
-        dp.doc_packed_attn(q.float(), q.float(), q.float(), cu.cuda(), backend="flash")
+        dp.doc_packed_attn(q.float(), q.float(), q.float(), cu.cuda(), backend="flash", causal=True)
     with pytest.raises(ValueError, match="backend='flex' needs sequence lengths divisible by 128"):
-        dp.doc_packed_attn(q, q, q, cu.cuda(), backend="flex")
+        dp.doc_packed_attn(q, q, q, cu.cuda(), backend="flex", causal=True)
     with pytest.raises(ValueError, match="backend='flex' needs head dim"):
         q48 = torch.randn(1, 128, 4, 48, device="cuda", dtype=torch.bfloat16)
-        dp.doc_packed_attn(q48, q48, q48, dp.cu_seqlens_from_lengths([[128]], 128).cuda(), backend="flex")
+        dp.doc_packed_attn(q48, q48, q48, dp.cu_seqlens_from_lengths([[128]], 128).cuda(), backend="flex", causal=True)

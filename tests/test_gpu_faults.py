@@ -68,7 +68,7 @@ def _run(backend: str, target: str, bad: float, dtype=torch.bfloat16):
         if poisoned:
             tensors[target][POISON[0], POISON[1]] = bad
         leaves = [tensors[n].requires_grad_() for n in ("q", "k", "v")]
-        out, lse = dp.doc_packed_attn(*leaves, cu, return_lse=True, backend=backend)
+        out, lse = dp.doc_packed_attn(*leaves, cu, return_lse=True, backend=backend, causal=True)
         grads = torch.autograd.grad(out, leaves, tensors["dout"])
         results.append((out.detach(), lse.detach().transpose(1, 2), *grads))  # lse as [B, S, H]
     return results

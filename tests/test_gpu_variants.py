@@ -84,7 +84,7 @@ def variant_errors(backend, kw, *, dtype=torch.bfloat16, heads=(8, 2), d=64, dv=
         return_max_logits=True,
         backend=backend,
         sinks=cs,
-        **cargs,
+        **{"causal": True, **cargs},
     )
     got = torch.autograd.grad(out, (cq, ck, cv) + ((cs,) if cs is not None else ()), dout.cuda())
     names = ("dq", "dk", "dv", "dsinks")
@@ -194,7 +194,7 @@ def test_variants_compile_fullgraph_cuda():
     sinks = torch.randn(8, device="cuda", requires_grad=True)
 
     def step(q, k, v, sinks):
-        return dp.doc_packed_attn(q, k, v, cu, sinks=sinks, softcap=5.0, prefix_lens=prefix).float().square().sum()
+        return dp.doc_packed_attn(q, k, v, cu, sinks=sinks, softcap=5.0, prefix_lens=prefix, causal=True).float().square().sum()
 
     loss = torch.compile(step, fullgraph=True)(q, k, v, sinks)
     grads = torch.autograd.grad(loss, (q, k, v, sinks))
@@ -226,7 +226,7 @@ def test_softcap_lse_gradient(backend, sinks):
     want = torch.autograd.grad((ro * dout.double()).sum() + (rl * wl.double()).sum(), wrt)
     cq, ck, cv = (t.cuda().requires_grad_() for t in (q, k, v))
     cs = None if sk is None else sk.cuda().requires_grad_()
-    out, lse = dp.doc_packed_attn(cq, ck, cv, cu.cuda(), sinks=cs, softcap=5.0, return_lse=True, backend=backend)
+    out, lse = dp.doc_packed_attn(cq, ck, cv, cu.cuda(), sinks=cs, softcap=5.0, return_lse=True, backend=backend, causal=True)
     loss = (out.float() * dout.cuda()).sum() + (lse * wl.cuda()).sum()
     got = torch.autograd.grad(loss, (cq, ck, cv) + (() if cs is None else (cs,)))
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):

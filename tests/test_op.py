@@ -77,7 +77,7 @@ def test_many_documents(rng):
 def test_low_precision(rng, dtype, atol):
     q, k, v = _inputs(2, 50, 4, 2, 16, dtype=dtype, grad=False)
     cu = _layout(rng, 2, 50)
-    out, lse = dp.doc_packed_attn(q, k, v, cu, return_lse=True)
+    out, lse = dp.doc_packed_attn(q, k, v, cu, return_lse=True, causal=True)
     ref_out, ref_lse = reference(q, k, v, cu)
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=atol)
@@ -102,7 +102,7 @@ def test_scale_and_strided_views(rng):
 def test_lse_gradient(rng):
     q, k, v = _inputs(2, 30, 4, 2, 8)
     cu = _layout(rng, 2, 30)
-    out, lse = dp.doc_packed_attn(q, k, v, cu, return_lse=True, window_size=(4, 0))
+    out, lse = dp.doc_packed_attn(q, k, v, cu, return_lse=True, window_size=(4, 0), causal=True)
     ref_out, ref_lse = reference(q, k, v, cu, True, (4, 0))
     w1, w2 = torch.randn_like(ref_out), torch.randn_like(ref_lse)
     got = torch.autograd.grad((out * w1).sum() + (lse * w2).sum(), (q, k, v))
@@ -159,7 +159,7 @@ def test_compile_fullgraph_does_not_bake_cu_seqlens(rng):
     B, S = 2, 48
 
     def step(q, k, v, cu):
-        out = dp.doc_packed_attn(q, k, v, cu, window_size=(9, 0))
+        out = dp.doc_packed_attn(q, k, v, cu, window_size=(9, 0), causal=True)
         return (out.float() ** 2).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")

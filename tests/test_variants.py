@@ -53,7 +53,7 @@ def _check(q, k, v, cu, window, kw, *, op_path=False, atol=1e-10):
 
     ctx = FlopCounterMode(display=False) if op_path else contextlib.nullcontext()
     with ctx:  # a dispatch mode sends the call through the custom op
-        out, lse, m = dp.doc_packed_attn(q, k, v, cu, window_size=window, return_lse=True, return_max_logits=True, **kw)
+        out, lse, m = dp.doc_packed_attn(q, k, v, cu, window_size=window, return_lse=True, return_max_logits=True, **{"causal": True, **kw})
     ro, rl, rm = reference(q, k, v, cu, True, window, max_logits=True, **_ref_kwargs(kw))
     assert out.shape == (*q.shape[:3], v.shape[-1]) and m.shape == (q.shape[2],)
     torch.testing.assert_close(out.double(), ro, atol=atol, rtol=atol)
@@ -99,7 +99,7 @@ def test_mqa_and_long_documents_cross_tiles():
 def test_low_precision_variants():
     q, k, v = _inputs(12, torch.bfloat16)
     kw = _variant("all")
-    out = dp.doc_packed_attn(q, k, v, _layout(), **kw)
+    out = dp.doc_packed_attn(q, k, v, _layout(), **{"causal": True, **kw})
     ro, _ = reference(q, k, v, _layout(), **_ref_kwargs(kw))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ro, atol=2e-2, rtol=2e-2)
@@ -111,7 +111,7 @@ def test_sink_lse_convention_and_lse_gradient():
     q, k, v = _inputs()
     cu = _layout()
     sinks = torch.randn(HQ, dtype=torch.float64, requires_grad=True)
-    out, lse = dp.doc_packed_attn(q, k, v, cu, sinks=sinks, return_lse=True, window_size=(0, 0))
+    out, lse = dp.doc_packed_attn(q, k, v, cu, sinks=sinks, return_lse=True, window_size=(0, 0), causal=True)
     ro, rl = reference(q, k, v, cu, True, (0, 0), sinks=sinks)
     torch.testing.assert_close(lse, rl)
     w = torch.randn_like(rl)
@@ -131,7 +131,7 @@ def test_empty_rows_with_sinks():
     k = torch.randn(1, 6, 1, 4, dtype=torch.float64)
     v = torch.randn(1, 6, 1, 4, dtype=torch.float64)
     sinks = torch.tensor([30.0, -30.0], dtype=torch.float64)  # nearly all mass on the sink / none
-    out, lse = dp.doc_packed_attn(q, k, v, cu, sinks=sinks, return_lse=True)
+    out, lse = dp.doc_packed_attn(q, k, v, cu, sinks=sinks, return_lse=True, causal=True)
     ro, rl = reference(q, k, v, cu, sinks=sinks)
     torch.testing.assert_close(out, ro)
     torch.testing.assert_close(lse, rl)
@@ -155,7 +155,7 @@ def test_softcap_lse_gradient(sinks, op_path):
     ctx = FlopCounterMode(display=False) if op_path else contextlib.nullcontext()
     wrt = (q, k, v) + ((kw["sinks"],) if sinks else ())
     with ctx:
-        out, lse = dp.doc_packed_attn(q, k, v, cu, window_size=(3, 0), return_lse=True, **kw)
+        out, lse = dp.doc_packed_attn(q, k, v, cu, window_size=(3, 0), return_lse=True, **{"causal": True, **kw})
         wl, g = torch.randn_like(lse), torch.randn_like(out)
         got = torch.autograd.grad((lse * wl).sum() + (out * g).sum(), wrt)
     ro, rl = reference(q, k, v, cu, True, (3, 0), **_ref_kwargs(kw))
@@ -163,7 +163,7 @@ def test_softcap_lse_gradient(sinks, op_path):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     only_lse = torch.autograd.grad(
-        dp.doc_packed_attn(q, k, v, cu, return_lse=True, **kw)[1].sum(), wrt, allow_unused=True
+        dp.doc_packed_attn(q, k, v, cu, return_lse=True, **{"causal": True, **kw})[1].sum(), wrt, allow_unused=True
     )
     ref_only = torch.autograd.grad(reference(q, k, v, cu, **_ref_kwargs(kw))[1].sum(), wrt, allow_unused=True)
     for a, b in zip(only_lse, ref_only):
@@ -179,7 +179,7 @@ def test_varlen_entry_variants():
     v = torch.randn(T, 2, 4, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
     out, lse, m = dp.doc_packed_attn_varlen(
-        q, k, v, cu, 18, sinks=sinks, softcap=1.0, prefix_lens=prefix, return_lse=True, return_max_logits=True
+        q, k, v, cu, 18, sinks=sinks, softcap=1.0, prefix_lens=prefix, return_lse=True, return_max_logits=True, causal=True
     )
     ro, rl, rm = reference(
         q[None], k[None], v[None], cu[None], sinks=sinks, softcap=1.0, prefix_lens=prefix[None], max_logits=True
@@ -193,18 +193,18 @@ def test_varlen_entry_variants():
     want = torch.autograd.grad(ro[0], (q, k, v, sinks), g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    only_m = dp.doc_packed_attn_varlen(q, k, v, cu, None, return_max_logits=True)
+    only_m = dp.doc_packed_attn_varlen(q, k, v, cu, None, return_max_logits=True, causal=True)
     assert isinstance(only_m, tuple) and len(only_m) == 2
 
 
 def test_max_logits_plain_and_empty_heads():
     q, k, v = _inputs()
-    out, m = dp.doc_packed_attn(q, k, v, _layout(), return_max_logits=True)
+    out, m = dp.doc_packed_attn(q, k, v, _layout(), return_max_logits=True, causal=True)
     _, _, rm = reference(q, k, v, _layout(), max_logits=True)
     torch.testing.assert_close(m, rm)
     assert m.dtype == torch.float64  # lse's dtype: float32, float64 for float64 inputs
     qf, kf, vf = (t.float() for t in (q, k, v))
-    assert dp.doc_packed_attn(qf, kf, vf, _layout(), return_max_logits=True)[1].dtype == torch.float32
+    assert dp.doc_packed_attn(qf, kf, vf, _layout(), return_max_logits=True, causal=True)[1].dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- validation
@@ -235,20 +235,20 @@ def test_max_logits_plain_and_empty_heads():
 def test_validation(kw, err, match):
     q, k, v = _inputs(grad=False) if False else (t.detach() for t in _inputs())
     with pytest.raises(err, match=match):
-        dp.doc_packed_attn(q, k, v, _layout(), **kw)
+        dp.doc_packed_attn(q, k, v, _layout(), **{"causal": True, **kw})
 
 
 def test_validation_value_head_dim_and_varlen_prefix():
     q, k, v = (t.detach() for t in _inputs(12))
     with pytest.raises(ValueError, match="must share"):
-        dp.doc_packed_attn(q, k, v[:, :, :1], _layout())
+        dp.doc_packed_attn(q, k, v[:, :, :1], _layout(), causal=True)
     with pytest.raises(ValueError, match="empty head dim"):
-        dp.doc_packed_attn(q, k, v[..., :0], _layout())
+        dp.doc_packed_attn(q, k, v[..., :0], _layout(), causal=True)
     cu = torch.tensor([0, 10, 40], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"prefix_lens must be 1-D \[N\] = \[2\]"):
-        dp.doc_packed_attn_varlen(q[0], k[0], v[0], cu, None, prefix_lens=torch.zeros(3, dtype=torch.int32))
+        dp.doc_packed_attn_varlen(q[0], k[0], v[0], cu, None, prefix_lens=torch.zeros(3, dtype=torch.int32), causal=True)
     with pytest.raises(ValueError, match="must share"):
-        dp.doc_packed_attn_varlen(q[0], k[0], v[0, :, :1], cu, None)
+        dp.doc_packed_attn_varlen(q[0], k[0], v[0, :, :1], cu, None, causal=True)
 
 
 # ----------------------------------------------------------------------------- kernels table
@@ -300,7 +300,7 @@ def test_flop_counts_with_prefixes_and_value_head_dim():
         visible = sum(int(dense_mask(cu[b].tolist(), S, True, window, PREFIX[b]).sum()) for b in range(B))
         q.requires_grad_(True)
         with FlopCounterMode(display=False) as fc:
-            out = dp.doc_packed_attn(q, k, v, cu, prefix_lens=prefix, window_size=window, softcap=3.0)
+            out = dp.doc_packed_attn(q, k, v, cu, prefix_lens=prefix, window_size=window, softcap=3.0, causal=True)
             out.sum().backward()
         counts = fc.get_flop_counts()["Global"]
         assert counts[torch.ops.doc_packed.attn_fwd] == 2 * visible * HQ * (D + 12)
@@ -316,7 +316,7 @@ def test_compile_fullgraph_variants():
 
     def step(q, k, v, sinks):
         out, m = dp.doc_packed_attn(
-            q, k, v, cu, window_size=(5, 0), sinks=sinks, softcap=2.0, prefix_lens=prefix, return_max_logits=True
+            q, k, v, cu, window_size=(5, 0), sinks=sinks, softcap=2.0, prefix_lens=prefix, return_max_logits=True, causal=True
         )
         return (out.float() ** 2).sum() + m.sum() * 0
 
@@ -332,7 +332,7 @@ def test_compile_fullgraph_variants():
         torch.testing.assert_close(a, b)
 
     def bad(q, k, v):
-        return dp.doc_packed_attn(q, k, v, cu, softcap=-1.0)
+        return dp.doc_packed_attn(q, k, v, cu, softcap=-1.0, causal=True)
 
     with pytest.raises(ValueError, match="softcap"):
         torch.compile(bad, fullgraph=True, backend="aot_eager")(q.detach(), k.detach(), v.detach())

@@ -75,8 +75,8 @@ def test_same_as_rows_entry():
     """The varlen entry is doc_packed_attn on one row: bit for bit the same."""
     q, k, v = _packed(40, 4, 2, 8, dtype=torch.float32)
     cu = _cu([7, 0, 33])
-    a = dp.doc_packed_attn_varlen(q, k, v, cu, 33, window_size=(3, 0))
-    b = dp.doc_packed_attn(q[None], k[None], v[None], cu[None], window_size=(3, 0))[0]
+    a = dp.doc_packed_attn_varlen(q, k, v, cu, 33, window_size=(3, 0), causal=True)
+    b = dp.doc_packed_attn(q[None], k[None], v[None], cu[None], window_size=(3, 0), causal=True)[0]
     assert torch.equal(a, b)
 
 
@@ -84,11 +84,11 @@ def test_max_seqlen_is_checked():
     q, k, v = _packed(20, 2, 2, 4)
     cu = _cu([4, 16])
     for ok in (16, 17, 2**31 - 1, None):
-        dp.doc_packed_attn_varlen(q, k, v, cu, ok)
+        dp.doc_packed_attn_varlen(q, k, v, cu, ok, causal=True)
     with pytest.raises(
         ValueError, match=r"max_seqlen=15 is smaller than the longest document in cu_seqlens \(16 tokens\)"
     ):
-        dp.doc_packed_attn_varlen(q, k, v, cu, 15)
+        dp.doc_packed_attn_varlen(q, k, v, cu, 15, causal=True)
 
 
 VARLEN_ERRORS = [
@@ -101,7 +101,8 @@ VARLEN_ERRORS = [
     (lambda q, k, v, cu, m: (q, k, v[:, :1], cu, m), ValueError, "must share"),
     (lambda q, k, v, cu, m: (q, k[..., :4], v[..., :4], cu, m), ValueError, "k's head dim 4 must equal q's head dim 8"),
     (lambda q, k, v, cu, m: (q[:, :3], k, v, cu, m), ValueError, "q has 3 heads and k/v have 2"),
-    (lambda q, k, v, cu, m: (q[:0], k[:0], v[:0], cu, m), ValueError, "empty dimension"),
+    (lambda q, k, v, cu, m: (q[:0], k[:0], v[:0], cu, m), ValueError, r"q \[T, H_q, D\] has T \(tokens\) = 0"),
+    (lambda q, k, v, cu, m: (q[:, :0], k, v, cu, m), ValueError, r"has H_q \(heads\) = 0"),
     (
         lambda q, k, v, cu, m: (q, k, v, cu.float(), m),
         TypeError,
@@ -120,14 +121,14 @@ VARLEN_ERRORS = [
     (
         lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 8, 20], dtype=torch.int64), m),
         ValueError,
-        r"cu_seqlens\[0\] must be non-decreasing",
+        r"^cu_seqlens must be non-decreasing",
     ),
     (
         lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 21]), m),
         ValueError,
-        r"entry 2 is 21, past the sequence length 20",
+        r"entry 2 is 21, past T = 20, the tokens in q",
     ),
-    (lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 19]), m), ValueError, r"must end at the sequence length 20"),
+    (lambda q, k, v, cu, m: (q, k, v, torch.tensor([0, 12, 19]), m), ValueError, r"must end at T = 20, the tokens in q, got 19"),
 ]
 
 
@@ -146,13 +147,13 @@ def test_argument_errors(mutate, exc, match, monkeypatch):
 
     monkeypatch.setattr(math, "forward", boom)
     with pytest.raises(exc, match=match):
-        dp.doc_packed_attn_varlen(*mutate(*_ok()))
+        dp.doc_packed_attn_varlen(*mutate(*_ok()), causal=True)
 
 
 def test_right_window_with_causal_raises():
     q, k, v, cu, m = _ok()
     with pytest.raises(ValueError, match=r"right window 3 > 0 but causal=True"):
-        dp.doc_packed_attn_varlen(q, k, v, cu, m, window_size=(2, 3))
+        dp.doc_packed_attn_varlen(q, k, v, cu, m, window_size=(2, 3), causal=True)
 
 
 def test_compile_fullgraph():
@@ -161,7 +162,7 @@ def test_compile_fullgraph():
     torch._dynamo.reset()
 
     def step(q, k, v, cu):
-        out, lse = dp.doc_packed_attn_varlen(q, k, v, cu, 40, window_size=(6, 0), return_lse=True)
+        out, lse = dp.doc_packed_attn_varlen(q, k, v, cu, 40, window_size=(6, 0), return_lse=True, causal=True)
         return (out.float() ** 2).sum() + lse.sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -174,9 +175,18 @@ def test_compile_fullgraph():
         for a, b in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(ref, (q, k, v))):
             torch.testing.assert_close(a, b)
     # a bad argument raises our error from the compiled call, before any kernel
-    bad = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 0), fullgraph=True, backend="eager")
-    with pytest.raises(ValueError, match=r"max_seqlen must be in \[1, 2\*\*31 - 1\]"):
+    bad = torch.compile(
+        lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 40, causal=True, window_size=(-2, 0)),
+        fullgraph=True,
+        backend="eager",
+    )
+    with pytest.raises(ValueError, match=r"window_size=\(-2, 0\): each side must be >= 0"):
         bad(q, k, v, cu)
+    # max_seqlen is checked in eager calls only: reading it under compile would recompile per value
+    with pytest.raises(ValueError, match=r"max_seqlen must be in \[1, 2\*\*31 - 1\]"):
+        dp.doc_packed_attn_varlen(q, k, v, cu, 0, causal=True)
+    unread = torch.compile(lambda q, k, v, cu: dp.doc_packed_attn_varlen(q, k, v, cu, 0, causal=True), backend="eager")
+    torch.testing.assert_close(unread(q, k, v, cu), dp.doc_packed_attn_varlen(q, k, v, cu, None, causal=True))
 
 
 # ----------------------------------------------------------------------------- int64 everywhere
@@ -191,7 +201,7 @@ def test_int64_shares_the_int32_layout():
     assert get_layout(cu32, 12) is a  # one layout per value, whatever the dtype
     assert get_layout(cu32.long().clone(), 12) is a
     q = torch.randn(2, 12, 2, 4, dtype=torch.float64)
-    torch.testing.assert_close(dp.doc_packed_attn(q, q, q, cu32.long()), reference(q, q, q, cu32)[0])
+    torch.testing.assert_close(dp.doc_packed_attn(q, q, q, cu32.long(), causal=True), reference(q, q, q, cu32)[0])
     p32 = dp.plan_context_parallel(cu32, 2)
     assert dp.plan_context_parallel(cu32.long(), 2) is p32  # the plan memoised on the shared layout
     big = torch.tensor([[0, 2**32 + 3]], dtype=torch.int64)
@@ -223,7 +233,7 @@ def test_sdpa_layout_views(B, monkeypatch):
     vh = torch.randn(B, 2, S, D, dtype=torch.float64, requires_grad=True)
     q, k, v = (t.transpose(1, 2) for t in (qh, kh, vh))
     cu = dp.cu_seqlens_from_lengths([[9, 0, 20], [29], [1, 28]][:B], S, max_docs=3)
-    out = dp.doc_packed_attn(q, k, v, cu, window_size=(4, 0))
+    out = dp.doc_packed_attn(q, k, v, cu, window_size=(4, 0), causal=True)
     ref, _ = reference(q, k, v, cu, True, (4, 0))
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     assert (seen[0] == qh.data_ptr()) == (B == 1)
@@ -300,11 +310,11 @@ def test_gpu_sdpa_layout_views(backend, B):
     dout = torch.randn(B, S, Hq, D, generator=g).cuda().bfloat16()
     cu = dp.cu_seqlens_from_lengths([[300, 0, 600, 124], [1024]][:B], S, max_docs=4).cuda()
     out = dp.doc_packed_attn(
-        qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), cu, window_size=(64, 0), backend=backend
+        qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), cu, window_size=(64, 0), backend=backend, causal=True
     )
     grads = torch.autograd.grad(out, (qh, kh, vh), dout)
     qc, kc, vc = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (qh, kh, vh))
-    ref = dp.doc_packed_attn(qc, kc, vc, cu, window_size=(64, 0), backend=backend)
+    ref = dp.doc_packed_attn(qc, kc, vc, cu, window_size=(64, 0), backend=backend, causal=True)
     ref_grads = torch.autograd.grad(ref, (qc, kc, vc), dout)
     assert _rel(out, ref) <= 1e-3
     for a, b in zip(grads, ref_grads):
@@ -323,7 +333,7 @@ def test_gpu_varlen_int64_no_sync_after_first_call(backend):
     cu = torch.tensor([0, 500, 500, 1700, 1701, 2048], dtype=torch.int64, device="cuda")
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(T, h, 128, generator=g).cuda().bfloat16().requires_grad_() for h in (16, 4, 4))
-    out = dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend)  # first call: reads cu once
+    out = dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend, causal=True)  # first call: reads cu once
     oracle, _ = reference(q.detach().cpu()[None], k.detach().cpu()[None], v.detach().cpu()[None], cu.cpu()[None])
     assert _rel(out.cpu(), oracle[0]) <= 1e-2
     out.float().sum().backward()
@@ -331,6 +341,6 @@ def test_gpu_varlen_int64_no_sync_after_first_call(backend):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend).float().sum().backward()
+            dp.doc_packed_attn_varlen(q, k, v, cu, 1200, backend=backend, causal=True).float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

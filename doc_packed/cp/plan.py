@@ -164,6 +164,35 @@ class ContextParallelPlan:
         with ``row_cost=cost`` balances)."""
         return tuple(w + _price(rows, cost) for w, rows in zip(self.work, self.extra_rows))
 
+    def __repr__(self) -> str:
+        return (
+            f"ContextParallelPlan(cp_size={self.cp_size}, seq_len={self.seq_len}, batch={self.batch}, "
+            f"causal={self.causal}, window_size={self.window_size}, imbalance={self.imbalance:.3f}, "
+            f"work={self.work}, kv_recv_tokens={self.kv_recv_tokens}, q_moved_tokens={self.q_moved_tokens})"
+        )
+
+    def __str__(self) -> str:
+        """A table per rank: what ``print(plan)`` shows (``repr`` is one line)."""
+        left, right = self.window_size
+        mask = "causal" if self.causal else "bidirectional"
+        if left != -1 or (right != -1 and not (self.causal and right == 0)):  # causal stores right 0
+            mask += f", window {self.window_size}"
+        gather = self.batch * (self.seq_len - self.seq_len // self.cp_size)
+        lines = [
+            f"context-parallel plan: {self.cp_size} ranks, {self.batch} row(s) of {self.seq_len} tokens, {mask}",
+            f"  imbalance {self.imbalance:.3f} (largest attention work / mean; 1.0 is even); an all-gather "
+            f"would send each rank {gather} K/V tokens",
+            f"  {'rank':>4}  {'work (q-k pairs)':>16}  {'K/V received':>12}  {'queries moved':>13}  query ranges (row, start, end)",
+        ]
+        for r in range(self.cp_size):
+            ranges = ", ".join(f"({b}, {s}, {e})" for b, s, e in self.q_ranges[r][:4])
+            if len(self.q_ranges[r]) > 4:
+                ranges += f", ... {len(self.q_ranges[r]) - 4} more"
+            lines.append(
+                f"  {r:>4}  {self.work[r]:>16,}  {self.kv_recv_tokens[r]:>12,}  {self.q_moved_tokens[r]:>13,}  {ranges}"
+            )
+        return "\n".join(lines)
+
     def summary(self) -> str:
         ag = 2 * self.batch * (self.seq_len - self.seq_len // self.cp_size)
         return (
