@@ -323,11 +323,11 @@ def worker(
                     c = state["next"]
                     if cp:
                         lq, lk, lv = (t[:, sl].detach().requires_grad_() for t in (q, k, v))
-                        o = dp.doc_packed_attn(lq, lk, lv, c, cp_group=group)
+                        o = dp.doc_packed_attn(lq, lk, lv, c, causal=True, cp_group=group)
                         o.backward(dout[:, sl])
                     else:
                         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                        dp.doc_packed_attn(qq, kk, vv, c).backward(dout)
+                        dp.doc_packed_attn(qq, kk, vv, c, causal=True).backward(dout)
                     state["next"] = ready(host_cu())  # the next layout's host work, this one queued
 
                 return call
