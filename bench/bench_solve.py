@@ -24,6 +24,7 @@ Usage::
     python bench/bench_solve.py                      # 4, 16, 32 layers x meshes (8,) and (2, 4)
     python bench/bench_solve.py --layers 4 --meshes 2x4 --repeat 3
     python bench/bench_solve.py --tiny               # 1 small layer on a (2,) mesh: CI, < 60 s
+    python bench/bench_solve.py --strategies         # our strategies alone: torch's cost rows vs remembered
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # this checkout's doc_packed / shardings, not an installed copy
 
 LLAMA_8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336)
 TINY = dict(vocab=1024, dim=256, n_heads=4, n_kv_heads=2, hidden=512)
@@ -306,6 +308,66 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + ratios)
 
 
+def strategy_rows(repeat: int = 3) -> str:
+    """Our forward + backward strategies on a (2, 4) mesh for producers with a solver's 36
+    candidate placements each (Llama-8B shapes, under fake tensors as AutoParallel builds them):
+    torch's cost rows as they were (the anchor, same run) vs the remembered rows. CPU s, medians."""
+    import itertools
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import shardings  # noqa: F401  (registers the strategies)
+    from shardings import strategies
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    mesh = init_device_mesh("cpu", (2, 4))
+    options = (Replicate(), Shard(0), Shard(1), Shard(2), Shard(3), Partial())
+
+    def candidates(shape, dtype=torch.bfloat16, transposed=False):
+        t = torch.empty(shape, device="meta", dtype=dtype)
+        if transposed:  # a producer of the same shape with other strides (dout)
+            t = torch.empty((shape[0], shape[2], shape[1], shape[3]), device="meta", dtype=dtype).transpose(1, 2)
+        meta = TensorMeta(t.shape, t.stride(), dtype)
+        valid = [p for p in options if not p.is_shard() or p.dim < len(shape)]
+        return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=meta)) for p in itertools.product(valid, repeat=2)])
+
+    B, S, Hq, Hkv, D = 8, 8192, 32, 8, 128
+    q, kv, cu = candidates((B, S, Hq, D)), candidates((B, S, Hkv, D)), candidates((B, S // 8 + 1), torch.int32)
+    dout, out, lse = candidates((B, S, Hq, D), transposed=True), candidates((B, S, Hq, D)), candidates((B, Hq, S))
+    flags = (True, -1, 0, 1.0, "auto", None, 0, None)
+    fwd, bwd = torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default
+    funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    remembered = strategies._redistribute_costs
+    medians = {}
+    try:
+        for name, rows in (("torch's rows (before)", generate_redistribute_costs), ("remembered rows", remembered)):
+            strategies._redistribute_costs = rows
+            times = []
+            for _ in range(repeat):
+                strategies._COSTS.clear()
+                with FakeTensorMode():
+                    t = time.process_time()
+                    funcs[fwd](OpSchema(fwd, (q, kv, kv, cu, S, *flags), {}))
+                    funcs[bwd](OpSchema(bwd, (dout, q, kv, kv, out, lse, cu, S, *flags), {}))
+                    times.append(time.process_time() - t)
+            medians[name] = statistics.median(times)
+    finally:
+        strategies._redistribute_costs = remembered
+        dist.destroy_process_group()
+    lines = ["| our strategies, fwd + bwd, (2, 4) mesh | CPU s (median) |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in medians.items()]
+    before, after = medians.values()
+    return "\n".join(lines + [f"\nbefore / after: {before / after:.2f}"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="4,16,32", help="comma-separated layer counts")
@@ -315,11 +377,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--tiny", action="store_true", help="1 layer of a small model on a (2,) mesh (CI: < 60 s)")
+    ap.add_argument("--strategies", action="store_true", help="only time our strategies' cost rows, before vs after")
     ap.add_argument("--no-ilp", action="store_true", help="stop before the ILP solve (its size is still counted)")
     ap.add_argument("--json", default=None, help="write the rows (medians) here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # layers:mesh:attention, in this process
     args = ap.parse_args()
     cfg = TINY if args.tiny else LLAMA_8B
+    if args.strategies:
+        print(strategy_rows(args.repeat if args.repeat > 1 else 3))
+        return
     if args.one:
         layers, mesh, kind = args.one.split(":")
         mesh_shape = tuple(int(x) for x in mesh.split("x"))

@@ -35,8 +35,8 @@ Planning time: a strategy's redistribution costs (one per candidate placement of
 come from torch's ``generate_redistribute_costs``, which under a solver's fake tensors re-plans
 every transform uncached (~0.5 ms each). They depend on the specs' mesh, placements and global
 shape and dtype only, and the forward's and backward's inputs (q / dout / out, k / v) share
-them, so :func:`_redistribute_costs` remembers each row: on a (2, 4) mesh it cut our strategies'
-time ~3x (bench/bench_solve.py, docs/scenarios.md "Solve time").
+them, so :func:`_redistribute_costs` remembers each row: on a (2, 4) mesh it cuts our strategies'
+CPU time 2.8x (`bench/bench_solve.py --strategies`; docs/scenarios.md, "Solve time").
 """
 
 from __future__ import annotations
