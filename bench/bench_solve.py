@@ -418,6 +418,8 @@ def main() -> None:
         f"{args.batch} x {args.seq}, {'tiny' if args.tiny else 'Llama-8B-shaped'} model, medians of {args.repeat}"
     )
     print(table(rows))
+    if args.tiny:
+        print("(--tiny runs both in one process: the first row also pays the process's warm-up; a smoke, not a ratio)")
 
 
 if __name__ == "__main__":
