@@ -30,6 +30,13 @@ The rules go through DTensor's own registry (``register_op_strategy``, the layer
 ``register_sharding`` wraps): eager DTensor dispatch and AutoParallel's solver both read it.
 ``register_sharding`` itself cannot express the cross-dim rules above (it expands per-dim
 choices by a cartesian product), hence the layer below it.
+
+Planning time: a strategy's redistribution costs (one per candidate placement of each input)
+come from torch's ``generate_redistribute_costs``, which under a solver's fake tensors re-plans
+every transform uncached (~0.5 ms each). They depend on the specs' mesh, placements and global
+shape and dtype only, and the forward's and backward's inputs (q / dout / out, k / v) share
+them, so :func:`_redistribute_costs` remembers each row: on a (2, 4) mesh it cuts our strategies'
+CPU time 2.8x (`bench/bench_solve.py --strategies`; docs/scenarios.md, "Solve time").
 """
 
 from __future__ import annotations
@@ -163,6 +170,37 @@ def _variant_inputs(op_schema: OpSchema) -> list[dict[str, Placement]]:
     return present
 
 
+# (mesh, target, producer's candidates) -> costs; a plan's distinct rows number in the hundreds
+_COSTS: dict[tuple, list[float]] = {}
+_COSTS_MAX = 4096
+
+
+def _cost_key(spec: DTensorSpec) -> tuple | None:
+    """What torch's redistribution cost of ``spec`` depends on besides the mesh: placements,
+    shard order, global shape and dtype (not strides)."""
+    meta = spec.tensor_meta
+    if meta is None:
+        return None
+    return (spec.placements, getattr(spec, "shard_order", None), tuple(meta.shape), meta.dtype)
+
+
+def _redistribute_costs(producer: OpStrategy, target: DTensorSpec) -> list[float]:
+    """``generate_redistribute_costs(producer, target)`` (torch's), remembered per distinct
+    (mesh, target, producer candidates): a fresh list each call (solvers write into it)."""
+    keys = tuple(_cost_key(s.output_spec) for s in producer.strategies)
+    target_key = _cost_key(target)
+    if target_key is None or any(k is None for k in keys):
+        return generate_redistribute_costs(producer, target)
+    key = (target.mesh, target_key, keys)
+    costs = _COSTS.get(key)
+    if costs is None:
+        costs = generate_redistribute_costs(producer, target)
+        if len(_COSTS) >= _COSTS_MAX:
+            _COSTS.clear()
+        _COSTS[key] = costs
+    return list(costs)
+
+
 def _strategy(op_schema: OpSchema) -> OpStrategy:
     op = op_schema.op
     table = FWD if op is torch.ops.doc_packed.attn_fwd.default else BWD
@@ -190,7 +228,7 @@ def _strategy(op_schema: OpSchema) -> OpStrategy:
         placements = [tuple(table[kd][1][i] for kd in kinds) for i in range(len(table[kinds[0]][1]))]
         placements += [tuple(t[kd] for kd in kinds) for t in extra]
         ins = [DTensorSpec(mesh, p, tensor_meta=m) for p, m in zip(placements, in_metas)]
-        costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
+        costs = [_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
         specs.append(OpSpec(output_specs=tuple(outs), input_specs=ins, redistribute_cost=costs))
     return OpStrategy(specs)
 
@@ -222,7 +260,7 @@ def _max_logits_strategy(op_schema: OpSchema) -> OpStrategy:
             placements.append(tuple(_PREFIX[kd] for kd in kinds))
         ins = [DTensorSpec(mesh, p, tensor_meta=m) for p, m in zip(placements, in_metas)]
         out = DTensorSpec(mesh, tuple(_MAX_OUT[kd] for kd in kinds), tensor_meta=out_meta)
-        costs = [generate_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
+        costs = [_redistribute_costs(s, spec) for s, spec in zip(inputs, ins)]
         specs.append(OpSpec(output_specs=out, input_specs=ins, redistribute_cost=costs))
     return OpStrategy(specs)
 

@@ -103,6 +103,50 @@ def test_enumeration_3d_and_backward(fake_world):
     assert by_kind[Shard(2)] == Shard(1) and by_kind[Shard(1)] == Shard(2) and by_kind[Shard(0)] == Shard(0)
 
 
+
+def test_remembered_redistribution_costs_are_torchs(fake_world):
+    """Our strategies' cost rows equal torch's generate_redistribute_costs for producers with
+    many candidate placements (what a solver offers), including a producer whose specs differ
+    only in strides from one already remembered; each row is a fresh list."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    from shardings import strategies
+
+    mesh = init_device_mesh("cpu", (2, 4))
+    options = (Replicate(), Shard(0), Shard(1), Shard(2), Partial())
+
+    def candidates(shape, dtype=torch.bfloat16, transposed=False):
+        t = torch.empty(shape, device="meta", dtype=dtype)
+        if transposed:  # same shape, other strides
+            t = torch.empty(shape[:1] + shape[2:3] + shape[1:2] + shape[3:], device="meta", dtype=dtype).transpose(1, 2)
+        meta = TensorMeta(t.shape, t.stride(), dtype)
+        valid = [p for p in options if not p.is_shard() or p.dim < len(shape)]
+        return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=meta)) for p in itertools.product(valid, repeat=2)])
+
+    strategies._COSTS.clear()
+    B_, S, Hq, Hkv = 8, 64, 8, 4
+    q, kv, cu = candidates((B_, S, Hq, 8)), candidates((B_, S, Hkv, 8)), candidates((B_, 5), torch.int32)
+    flags = (True, -1, 0, 1.0, "auto", None, 0, None)
+    fwd, bwd = torch.ops.doc_packed.attn_fwd.default, torch.ops.doc_packed.attn_bwd.default
+    funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    lse = candidates((B_, Hq, S), torch.float32)
+    dout = candidates((B_, S, Hq, 8), transposed=True)  # q's candidates, other strides
+    cases = [(fwd, (q, kv, kv, cu, S, *flags)), (bwd, (dout, q, kv, kv, q, lse, cu, S, *flags))]
+    for op, args in cases:
+        result = funcs[op](OpSchema(op, args, {}))
+        inputs = [a for a in args if isinstance(a, OpStrategy)]
+        for spec in result.strategies:
+            for producer, target, row in zip(inputs, spec.input_specs, spec.redistribute_cost):
+                assert row == generate_redistribute_costs(producer, target)
+    assert strategies._COSTS  # rows were remembered (and reused: dout hits q's)
+    a = strategies._redistribute_costs(q, result.strategies[0].input_specs[1])
+    a[0] = -1.0
+    assert strategies._redistribute_costs(q, result.strategies[0].input_specs[1])[0] != -1.0
+
 def _placements(*names):
     from torch.distributed.tensor import Replicate, Shard
 
