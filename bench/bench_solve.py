@@ -69,7 +69,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
         if self.kind == "doc_packed":
-            o = dp.doc_packed_attn(q, k, v, cu_seqlens)
+            o = dp.doc_packed_attn(q, k, v, cu_seqlens, causal=True)
         else:  # one causal sequence per row, K/V repeated to the query heads (torchtitan's repeat_kv)
             r = self.n_heads // self.n_kv
             k = k.unsqueeze(3).expand(B, S, self.n_kv, r, self.head_dim).reshape(B, S, self.n_heads, self.head_dim)

@@ -23,6 +23,7 @@ import dist_utils
 import doc_packed as dp
 from doc_packed import _doc_layout
 from doc_packed.cp import attention, comm
+from doc_packed.cp import plan as cp_plan
 from oracle import reference
 
 GROUP = None  # the group the bodies use (WORLD unless a body sets it)
@@ -124,7 +125,7 @@ class _PlanCounter:
 
     def __init__(self):
         self.n = 0
-        self.real = attention.build_plan
+        self.real = cp_plan.build_plan
 
     def __call__(self, *a, **k):
         self.n += 1
@@ -143,7 +144,7 @@ def divergent_history(rank, world, kinds):
     Both steps use one ``cu_seqlens`` tensor. Returns per kind (errors of both steps, plans built
     by this rank, cached layouts after)."""
     counter = _PlanCounter()
-    attention.build_plan = counter
+    cp_plan.build_plan = counter  # runtime_plan (cp/plan.py) builds through it
     S, out = 48, {}
     for i, kind in enumerate(kinds):
         counter.n = 0

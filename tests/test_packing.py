@@ -67,7 +67,7 @@ def _forced_kv(lengths, seq_len, c, slack=0.01):
 
 def _plan(order, seq_len, c):
     cu = dp.cu_seqlens_from_lengths(order.lengths, seq_len)
-    return dp.plan_context_parallel(cu, c, query_cost=4.0)
+    return dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=None)  # the pairs planner packing aims at
 
 
 def _uniform_rows(S, B, top, seed):
