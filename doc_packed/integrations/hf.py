@@ -78,7 +78,12 @@ def register(name: str = NAME) -> str:
 
 
 def _padding_mask_only(
-    batch_size: int, q_length: int, kv_length: int, *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *args: Any,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor | None:
     """transformers' mask hook: the 2-D padding mask (sliced to the keys, as its flash hook does)
     or None. Document structure reaches attention through ``position_ids`` and the cu_seqlens
@@ -129,7 +134,11 @@ def document_boundaries(
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[-1] != seq_len):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be [B, S] with S = {seq_len} (the query length), got {shape}")
-    device = device if device is not None else (position_ids if position_ids is not None else attention_mask).device
+    if device is None:
+        source = position_ids if position_ids is not None else attention_mask
+        if source is None:
+            raise ValueError("document_boundaries needs position_ids, attention_mask or device=")
+        device = source.device
     starts = _starts(position_ids, attention_mask, batch, seq_len, device)
     if starts is None:
         return torch.tensor([[0, seq_len]] * batch, dtype=torch.int32, device=device)
@@ -248,14 +257,13 @@ def _flat(q, k, v, cu_q, cu_k, max_q, causal, window, scaling, variants) -> torc
     """transformers' flattened form: ``cu_seq_lens_q`` over the ``B * S`` tokens."""
     if cu_k is not None and cu_k is not cu_q and (cu_k.shape != cu_q.shape or not torch.equal(cu_k, cu_q)):
         raise ValueError(
-            "doc_packed attention is self-attention over packed documents: cu_seq_lens_k must equal "
-            "cu_seq_lens_q"
+            "doc_packed attention is self-attention over packed documents: cu_seq_lens_k must equal cu_seq_lens_q"
         )
     B, S = q.shape[:2]
-    flat = [t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)]
+    q, k, v = (t.reshape(B * S, *t.shape[2:]) for t in (q, k, v))
     max_seqlen = max_q if isinstance(max_q, int) and not isinstance(max_q, bool) else None
     out = dp.doc_packed_attn_varlen(
-        *flat, cu_q, max_seqlen, causal=causal, window_size=window, scale=scaling, **variants
+        q, k, v, cu_q, max_seqlen, causal=causal, window_size=window, scale=scaling, **variants
     )
     assert isinstance(out, torch.Tensor)
     return out.view(B, S, *out.shape[1:])
@@ -276,7 +284,5 @@ class PackedCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         positions = dp.positions(cu_seqlens, input_ids.shape[1])
-        out = self.model(
-            input_ids=input_ids, position_ids=positions, use_cache=False, **{CU_SEQLENS_KWARG: cu_seqlens}
-        )
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, **{CU_SEQLENS_KWARG: cu_seqlens})
         return out.logits

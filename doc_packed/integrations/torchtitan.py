@@ -73,7 +73,7 @@ class DocPackedAttention(Module):
         B, L = q_BLNH.shape[:2]
         if isinstance(attention_masks, torch.Tensor) and attention_masks.dim() == 2:
             result = dp.doc_packed_attn(q_BLNH, k_BLNH, v_BLNH, attention_masks, return_lse=want_lse, **common)
-            if not want_lse:
+            if out_transform is None:
                 assert isinstance(result, torch.Tensor)
                 return result
             out_BLNH, lse_BNL = result
@@ -88,7 +88,8 @@ class DocPackedAttention(Module):
             cu, max_seqlen = attention_masks, None
         else:
             what = (
-                f"a {attention_masks.dim()}-D tensor" if isinstance(attention_masks, torch.Tensor)
+                f"a {attention_masks.dim()}-D tensor"
+                if isinstance(attention_masks, torch.Tensor)
                 else type(attention_masks).__name__
             )
             raise TypeError(
@@ -98,7 +99,7 @@ class DocPackedAttention(Module):
         T = B * L
         q_TNH, k_TNH, v_TNH = (t.reshape(T, *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
         result = dp.doc_packed_attn_varlen(q_TNH, k_TNH, v_TNH, cu, max_seqlen, return_lse=want_lse, **common)
-        if not want_lse:
+        if out_transform is None:
             assert isinstance(result, torch.Tensor)
             return result.view(B, L, *result.shape[1:])
         out_TNH, lse_NT = result
