@@ -7,6 +7,9 @@ on the line before a fence changes how its block runs (rare; each says why):
 
 - ``<!-- doc-test: skip (why) -->``: not run (a fragment of a larger program);
 - ``<!-- doc-test: autoparallel -->``: needs AutoParallel (skipped, with the import's error, without it);
+- ``<!-- doc-test: requires MODULE ... -->`` on a file's first Python block: the file runs only where
+  those optional packages import (skipped, naming them, elsewhere: docs/models.md needs the
+  ``hf`` and ``torchtitan`` extras, which CI installs);
 - ``<!-- doc-test: ranks N -->`` on a file's first Python block: the file runs on N gloo ranks
   (spawned processes, ``torch.distributed`` already initialised, as ``torchrun`` would leave it).
 
@@ -87,7 +90,15 @@ def run_doc(rank: int, world: int, program: str) -> None:
 
 @pytest.mark.parametrize("path", list(_python_files()))
 def test_python_blocks_run(path, run_ranks):
+    import importlib.util
+
     from doc_packed.env import autoparallel_status
+
+    for _, _, mark, _ in blocks(path):
+        if mark.startswith("requires "):
+            missing = [m for m in mark.split()[1:] if importlib.util.find_spec(m) is None]
+            if missing:
+                pytest.skip(f"needs {', '.join(missing)} (optional; pip install 'doc-packed[hf,torchtitan]')")
 
     ap_ok, why = autoparallel_status()
     needs_ap = any(mark == "autoparallel" for _, _, mark, _ in blocks(path))
@@ -118,4 +129,5 @@ def test_markers_are_known():
         for line, lang, mark, _ in blocks(path):
             if mark:
                 assert lang == "python", f"{path.name}:{line}: doc-test markers go before python blocks"
-                assert re.fullmatch(r"skip \(.+\)|autoparallel|ranks \d+", mark), f"{path.name}:{line}: {mark!r}"
+                known = r"skip \(.+\)|autoparallel|ranks \d+|requires( [\w.]+)+"
+                assert re.fullmatch(known, mark), f"{path.name}:{line}: {mark!r}"
