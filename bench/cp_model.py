@@ -537,8 +537,9 @@ def validate_point(row: dict, m: Model, bench: ModuleType | None = None) -> dict
     if len(lengths) != row["docs"]:
         raise AssertionError(f"{name} S={S}: {len(lengths)} documents, the run had {row['docs']}")
     cu = cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8)
-    # bench_cp.py's call (= the runtime's: causal, window (-1, 0), tolerance 0.01)
-    plan = plan_context_parallel(cu, c, query_cost=m.hq / m.hkv)
+    # bench_cp.py's call as the validated rows were planned: causal, window (-1, 0), tolerance
+    # 0.01, pairs alone (row prices came later; plan_context_parallel's default now has them)
+    plan = plan_context_parallel(cu, c, query_cost=m.hq / m.hkv, row_cost=None)
     same_plan = (list(plan.kv_recv_tokens) == row["plan"]["kv_recv_tokens"]
                  and list(plan.q_moved_tokens) == row["plan"]["q_moved_tokens"])
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()

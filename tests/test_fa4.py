@@ -157,7 +157,8 @@ def _spec_from_fa4_args(kw) -> VarlenSpec:
     right = -1 if kw["window_size_right"] is None else kw["window_size_right"]
     cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
     spec = VarlenSpec(cu_q, cu_k, kw["causal"], left, right)
-    assert kw["max_seqlen_q"] == spec.max_q and kw["max_seqlen_k"] == spec.max_k
+    floor = fa4.MAX_SEQLEN_FLOOR  # bounds raised to it: one kernel per kind (kernels/fa4.py)
+    assert kw["max_seqlen_q"] == max(spec.max_q, floor) and kw["max_seqlen_k"] == max(spec.max_k, floor)
     assert isinstance(kw["max_seqlen_q"], int)  # a host int: no tensor hints, no syncs
     assert kw["cu_seqlens_q"].dtype == torch.int32 and kw["cu_seqlens_q"].is_contiguous()
     return spec
