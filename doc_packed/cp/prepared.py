@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import _doc_layout
 from .._checks import check_cu_seqlens, check_window
 from . import attention, comm
-from .plan import ContextParallelPlan, query_cost_of, runtime_plan
+from .plan import ContextParallelPlan, query_cost_of
 from .schedule import build_schedule
 
 __all__ = ["prepare", "runtime_counts"]
@@ -95,8 +95,7 @@ def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) 
         attention.schedule_for(layout, key)
     else:
         _check_plan(plan, layout, size, causal, (left, right), qc)
-        if plan is not runtime_plan(layout, size, causal, left, right, qc):
-            layout.put(("cp_schedule", *key), build_schedule(plan, rank, dev))
+        layout.put(("cp_schedule", *key), build_schedule(plan, rank, dev))  # what the calls run
     attention.layout_tag(layout)  # what every call's agreement sends, computed once
 
 
