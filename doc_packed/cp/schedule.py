@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -242,30 +242,21 @@ def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
 
 
-class _Draft(NamedTuple):
-    """A call before its device tensors exist: slots in an :class:`_Indices`."""
+class _Pending(NamedTuple):
+    """A call whose device tensors wait for the schedule's one copy: ``call`` with ``rows`` and
+    ``k_rows`` still None, and the slots (in an :class:`_Indices`) of its spec's offsets and of
+    the rows it will index (None: every row of its slice)."""
 
-    q_buf: str
-    k_buf: str
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    spec: VarlenSpec
-    cu: tuple[int, int]  # slots of the spec's cu_q, cu_k
-    rows: int | None  # slot of the query rows, None: every row of the slice
-    n_rows: int
+    call: Call
+    cu: tuple[int, int]
+    rows: int | None
     k_rows: int | None
-    merge: bool
 
-    def call(self, index: _Indices, device: torch.device) -> Call:
+    def on_device(self, index: _Indices, device: torch.device) -> Call:
         # the spec's device offsets are views of the schedule's one copy (VarlenSpec.cu_tensors)
-        self.spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
+        self.call.spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
         rows = None if self.rows is None else index.get(self.rows)
-        k_rows = None if self.k_rows is None else index.get(self.k_rows)
-        return Call(
-            self.q_buf, self.k_buf, self.q0, self.q1, self.k0, self.k1, self.spec, rows, self.n_rows, k_rows, self.merge
-        )
+        return replace(self.call, rows=rows, k_rows=None if self.k_rows is None else index.get(self.k_rows))
 
 
 def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
@@ -294,7 +285,7 @@ def _calls(
     index: _Indices,
     written: dict[str, _Written],
     span: int | None = None,
-) -> list[_Draft]:
+) -> list[_Pending]:
     """Group pieces into kernel calls: same buffers and mask; within a call queries and keys both
     run forward without overlap. ``span``: every call covers rows ``[0, span)`` of both buffers
     (stage A on the local tensors: the first call's outputs then serve as the result buffers).
@@ -350,7 +341,8 @@ def _calls(
         cu = (index.add(torch.int32, cu_q), index.add(torch.int32, cu_k))
         rows = None if n_rows == q1 - q0 else index.add_runs(q_runs)
         k_rows = None if n_keys == k1 - k0 else index.add_runs(k_runs)
-        out.append(_Draft(q_buf, k_buf, q0, q1, k0, k1, spec, cu, rows, n_rows, k_rows, merge))
+        waiting = Call(q_buf, k_buf, q0, q1, k0, k1, spec, None, n_rows, None, merge)
+        out.append(_Pending(waiting, cu, rows, k_rows))
     return out
 
 
@@ -507,8 +499,8 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
     index = _Indices()
     written = {LOCAL: _Written(), RECV: _Written()}  # rows of each query buffer computed so far
-    drafts_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
-    drafts_b = _calls(stage_b, causal, left, right, index, written)
+    pending_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
+    pending_b = _calls(stage_b, causal, left, right, index, written)
 
     def sent(parts: list[list[tuple[int, int, int]]]):
         return tuple(_runs(ps, my_start, L) for ps in parts)
@@ -550,8 +542,8 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         kv_recv_runs=received(recv_parts),
         q_send_runs=q_send_runs,
         q_recv_runs=received(q_recv_parts),
-        stage_a=tuple(d.call(index, device) for d in drafts_a),
-        stage_b=tuple(d.call(index, device) for d in drafts_b),
+        stage_a=tuple(p.on_device(index, device) for p in pending_a),
+        stage_b=tuple(p.on_device(index, device) for p in pending_b),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,
         q_traffic=sum(plan.q_moved_tokens) > 0,
         plan_tag=hash((plan.q_ranges, plan.kv_ranges)),
