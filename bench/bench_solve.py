@@ -47,35 +47,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # this checkout's doc_packed / shardings, not an installed copy
 
+from doc_packed import examples  # noqa: E402  (the example model's attention, from this checkout)
+
 LLAMA_8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336)
 TINY = dict(vocab=1024, dim=256, n_heads=4, n_kv_heads=2, hidden=512)
 ATTENTIONS = ("doc_packed", "sdpa")
 
 
-class Attention(nn.Module):
+class Attention(examples.Attention):
+    """The example model's attention (doc_packed), or with ``kind="sdpa"`` the anchor: the same
+    projections into aten's flash SDPA, one causal sequence per row."""
+
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, kind: str):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim, self.kind = n_heads, n_kv_heads, dim // n_heads, kind
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        super().__init__(dim, n_heads, n_kv_heads)
+        self.kind = kind
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        import doc_packed as dp
-
+        if self.kind == "doc_packed":
+            return super().forward(x, cu_seqlens)
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv, self.head_dim)
-        if self.kind == "doc_packed":
-            o = dp.doc_packed_attn(q, k, v, cu_seqlens, causal=True)
-        else:  # one causal sequence per row, K/V repeated to the query heads (torchtitan's repeat_kv)
-            r = self.n_heads // self.n_kv
-            k = k.unsqueeze(3).expand(B, S, self.n_kv, r, self.head_dim).reshape(B, S, self.n_heads, self.head_dim)
-            v = v.unsqueeze(3).expand(B, S, self.n_kv, r, self.head_dim).reshape(B, S, self.n_heads, self.head_dim)
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            o = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True)[0].transpose(1, 2)
+        # K/V repeated to the query heads (torchtitan's repeat_kv)
+        r = self.n_heads // self.n_kv
+        k = k.unsqueeze(3).expand(B, S, self.n_kv, r, self.head_dim).reshape(B, S, self.n_heads, self.head_dim)
+        v = v.unsqueeze(3).expand(B, S, self.n_kv, r, self.head_dim).reshape(B, S, self.n_heads, self.head_dim)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        o = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True)[0].transpose(1, 2)
         return self.wo(o.reshape(B, S, -1))
 
 
