@@ -56,3 +56,13 @@ def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed, head_
     errs["finite"] = all(bool(torch.isfinite(x).all()) for x in (out, *grads))
     errs["out_dtype"] = out.dtype
     return errs
+
+
+def cuda_packed(dtype=torch.bfloat16):
+    """A packed ``[T, H, D]`` problem on CUDA as the peers' varlen entries take it: q (8 heads),
+    k, v (2 heads), 1024 tokens, head dim 64, and a 1-D int32 ``cu_seqlens`` with an empty
+    document and a one-token one."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, 100, 100, 700, 701, 1024], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1024, h, 64, generator=g, device="cuda", dtype=dtype) for h in (8, 2, 2))
+    return q, k, v, cu

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import doc_packed as dp
+from gpu_parity import cuda_packed
 
 # ----------------------------------------------------------------------------- references
 
@@ -203,13 +204,6 @@ def test_torchtitan_varlen_metadata():
 # ----------------------------------------------------------------------------- on a GPU
 
 
-def _cuda_packed(dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cu = torch.tensor([0, 100, 100, 700, 701, 1024], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(1024, h, 64, generator=g, device="cuda", dtype=dtype) for h in (8, 2, 2))
-    return q, k, v, cu
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [(-1, 0), (64, 0), (-1, -1), (32, 16)])
@@ -222,7 +216,7 @@ def test_gpu_torch_varlen_attn(window, backend):
 
     from torch.nn.attention import varlen
 
-    q, k, v, cu = _cuda_packed()
+    q, k, v, cu = cuda_packed()
     kw = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
     ref_out, ref_lse = varlen.varlen_attn(
         q, k, v, cu, cu, 600, 600, window_size=window, return_aux=varlen.AuxRequest(lse=True), **kw
@@ -241,7 +235,7 @@ def test_gpu_torch_varlen_attn(window, backend):
 def test_gpu_flash_attn_varlen_func(causal, window):
     """flash_attn_varlen_func itself (flash-attn 2, else FA4's cute interface, whichever is
     installed) against ours with the same arguments: out, and lse [H, T]."""
-    q, k, v, cu = _cuda_packed()
+    q, k, v, cu = cuda_packed()
     try:
         from flash_attn import flash_attn_varlen_func
 

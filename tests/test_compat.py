@@ -9,6 +9,7 @@ import torch
 
 import doc_packed as dp
 from doc_packed import compat
+from gpu_parity import cuda_packed
 
 # ----------------------------------------------------------------------------- the peers' semantics
 
@@ -261,13 +262,6 @@ def test_torch_unsupported_and_bad_arguments_raise_before_any_kernel(kw, exc, ma
 # ----------------------------------------------------------------------------- on a GPU
 
 
-def _cuda_packed(dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cu = torch.tensor([0, 100, 100, 700, 701, 1024], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(1024, h, 64, generator=g, device="cuda", dtype=dtype) for h in (8, 2, 2))
-    return q, k, v, cu
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
@@ -280,7 +274,7 @@ def test_gpu_same_call_through_flash_attn(args, kw):
     flash_attn = pytest.importorskip("flash_attn", reason="flash-attn 2 is not installed")
     if not hasattr(flash_attn, "flash_attn_varlen_func"):  # FA4 alone installs flash_attn.cute only
         pytest.skip("flash-attn 2 is not installed (flash_attn has no flash_attn_varlen_func)")
-    q, k, v, cu = _cuda_packed()
+    q, k, v, cu = cuda_packed()
     call = (q, k, v, cu, cu, 600, 600, *args)
     ref, ref_lse, _ = flash_attn.flash_attn_varlen_func(*call, return_attn_probs=True, **kw)
     out, lse, _ = compat.flash_attn_varlen_func(*call, return_attn_probs=True, **kw)
@@ -295,7 +289,7 @@ def test_gpu_same_call_through_torch_varlen_attn(window):
     """The same call, torch's varlen_attn and ours (GQA; enable_gqa where torch has it)."""
     from torch.nn.attention import varlen
 
-    q, k, v, cu = _cuda_packed()
+    q, k, v, cu = cuda_packed()
     kw = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
     aux = varlen.AuxRequest(lse=True)
     ref, ref_lse = varlen.varlen_attn(q, k, v, cu, cu, 600, 600, window_size=window, return_aux=aux, **kw)
