@@ -93,7 +93,7 @@ def _args():
     )
     p.add_argument(
         "--tolerance", type=float, default=None,
-        help="the planner's allowed work imbalance (doc_packed.cp.attention.TOLERANCE) for the run; "
+        help="the planner's allowed work imbalance (doc_packed.cp.plan.TOLERANCE) for the run; "
         "above it queries move",
     )
     p.add_argument(
@@ -128,7 +128,7 @@ import torch  # noqa: E402
 
 import doc_packed as dp  # noqa: E402
 from doc_packed import kernels  # noqa: E402
-from doc_packed.cp import attention as cp_attention  # noqa: E402
+from doc_packed.cp import plan as cp_plan  # noqa: E402
 from doc_packed.cp import comm  # noqa: E402
 from doc_packed.cp.plan import owner_ranges  # noqa: E402
 from emulated_layouts import emulated_lengths  # noqa: E402
@@ -417,9 +417,9 @@ def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
     anchor = _fwd_bwd(q, k, v, dout, cu, S, None)
     one = _timed(anchor, iters)
-    row_cost = getattr(cp_attention, "ROW_COST", None)  # (None: a runtime from before session 13)
+    row_cost = getattr(cp_plan, "ROW_COST", None)  # (None: a tree whose plan.py has no row prices)
     extra = {} if row_cost is None else {"row_cost": row_cost}
-    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_attention.TOLERANCE, **extra)
+    plan = dp.plan_context_parallel(cu, c, query_cost=Hq / Hkv, tolerance=cp_plan.TOLERANCE, **extra)
     ranks = []
     emus = []
     for r in range(c):
@@ -570,7 +570,7 @@ def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
 def main():
     Hq, Hkv = ARGS.heads
     if ARGS.tolerance is not None:
-        cp_attention.TOLERANCE = ARGS.tolerance
+        cp_plan.TOLERANCE = ARGS.tolerance  # what the runtime plans with (runtime_plan reads it)
     if ARGS.autograd_threads == "off":
         torch.autograd.set_multithreading_enabled(False)
     rows = []

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from doc_packed._doc_layout import DocLayout
-from doc_packed.cp.attention import ROW_COST, TOLERANCE
+from doc_packed.cp.plan import ROW_COST, TOLERANCE
 from doc_packed.cp.plan import ContextParallelPlan, RowCost, build_plan
 from doc_packed.cp.schedule import Call, build_schedule
 

@@ -435,7 +435,7 @@ def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask],
     ``call_cost`` (a :class:`bench.cp_call_cost.CallCost`): also price our staged design with
     each rank's kernel calls at those rates (``step["ours_calls"]``, one GPU: ``t1_calls``),
     for ``c <= CALL_COST_MAX_CP``, on the plan the runtime makes (rows priced:
-    ``doc_packed.cp.attention.ROW_COST``); the flat-rate designs keep the pairs-only plan."""
+    ``doc_packed.cp.plan.ROW_COST``); the flat-rate designs keep the pairs-only plan."""
     plan, secs = time_plan(layout, c, repeats, m.hq / m.hkv)
     heap = minheap_assign(layout, c, masks)
     _check_accounting(layout, c, masks, plan)
@@ -462,7 +462,7 @@ def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask],
     t1_calls = None
     if call_cost is not None and c <= CALL_COST_MAX_CP:
         from bench.cp_call_cost import one_gpu_features, rank_stages
-        from doc_packed.cp.attention import ROW_COST
+        from doc_packed.cp.plan import ROW_COST
 
         rplan = build_plan(layout, c, CAUSAL, LEFT, RIGHT, query_cost=m.hq / m.hkv, tolerance=TOLERANCE,
                            row_cost=ROW_COST)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from doc_packed.cp.attention import ROW_COST
+from doc_packed.cp.plan import ROW_COST
 
 from bench import cp_call_cost as cc
 from bench.cp_model import Model
@@ -91,7 +91,7 @@ def test_step_model_prices_ranks_call_by_call():
 
 
 def test_row_priced_plans_are_faster_in_the_fitted_model():
-    """The runtime plans with row prices (doc_packed.cp.attention.ROW_COST): on the emulation's
+    """The runtime plans with row prices (doc_packed.cp.plan.ROW_COST): on the emulation's
     16 cells, priced call by call with the fitted H200 rates, its slowest ranks beat the
     pairs-only planner's on average and in no cell lose (session 13: 0.914 -> 0.932)."""
     def efficiency(lengths, S, c, row_cost):

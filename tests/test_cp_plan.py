@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import doc_packed as dp
 from conftest import random_lengths
-from doc_packed.cp.attention import ROW_COST
+from doc_packed.cp.plan import ROW_COST
 from doc_packed.cp.plan import RowCost
 from doc_packed.cp.schedule import build_schedule
 from doc_packed.layout import lognormal_lengths

@@ -25,7 +25,7 @@ import torch
 from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
-from .plan import ROW_COST, TOLERANCE, owner_range, runtime_plan
+from .plan import owner_range, runtime_plan
 from .lse_merge import merge_
 from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
@@ -36,7 +36,6 @@ __all__ = ["backward", "forward", "get_schedule", "layout_tag", "reject", "sched
 # Plans weigh moving one query against fetching one key/value row by their sizes per token
 # (q/out and gradients: H_q * D; k/v: H_kv * D), allow plan.TOLERANCE of imbalance and balance
 # pairs plus each rank's extra rows priced by plan.ROW_COST (plan.py, step 3).
-__all__ += ["ROW_COST", "TOLERANCE"]  # (their home is plan.py)
 
 
 def get_schedule(

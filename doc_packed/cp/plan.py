@@ -574,11 +574,13 @@ def runtime_plan(
     query_cost: float,
     prefixes: tuple[tuple[int, ...], ...] | None = None,
     *,
-    tolerance: float = TOLERANCE,
+    tolerance: float | None = None,
     row_cost: RowCost | None = ROW_COST,
 ) -> ContextParallelPlan:
     """:func:`build_plan`, memoised on the layout: the runtime, :func:`plan_context_parallel` and
-    :func:`doc_packed.cp.prepare` share one plan per (layout, group size, mask, costs)."""
+    :func:`doc_packed.cp.prepare` share one plan per (layout, group size, mask, costs).
+    ``tolerance`` None: this module's :data:`TOLERANCE` as it is at the call (a bench may set it)."""
+    tolerance = TOLERANCE if tolerance is None else tolerance
     key = ("cp_plan", cp_size, causal, left, right, float(query_cost), tolerance, row_cost, prefixes)
     return layout.derived(
         key,
