@@ -48,7 +48,14 @@ def test_device_communicator_made_once_per_group(monkeypatch):
     from doc_packed.cp import comm
 
     calls = []
-    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group: calls.append((t.device.type, group)))
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group: calls.append(("all_reduce", t.device.type, group)))
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda group: 3)
+
+    def all_to_all_single(out, inp, group):  # one element to and from every rank: every pair connects
+        assert out.numel() == inp.numel() == 3
+        calls.append(("all_to_all", inp.device.type, group))
+
+    monkeypatch.setattr(comm.dist, "all_to_all_single", all_to_all_single)
     monkeypatch.setattr(comm, "_warm", {})
     pg_a, pg_b = object(), object()
     meta = torch.device("meta")  # a non-CPU device on a CPU-only machine
@@ -56,6 +63,7 @@ def test_device_communicator_made_once_per_group(monkeypatch):
     assert calls == []
     comm._ensure_communicator("g", pg_a, meta)
     comm._ensure_communicator("g", pg_a, meta)
-    assert calls == [("meta", pg_a)]
+    made_a = [("all_reduce", "meta", pg_a), ("all_to_all", "meta", pg_a)]
+    assert calls == made_a
     comm._ensure_communicator("g", pg_b, meta)  # the name now resolves to another group
-    assert calls == [("meta", pg_a), ("meta", pg_b)]
+    assert calls == made_a + [("all_reduce", "meta", pg_b), ("all_to_all", "meta", pg_b)]

@@ -11,6 +11,8 @@ with values up to ~5, gradients <= 2.7e-7; the two sum the softmax in different 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -19,6 +21,9 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 import doc_packed as dp  # noqa: E402
 import doc_packed.integrations.hf as dp_hf  # noqa: E402
 from oracle import dense_mask  # noqa: E402
+
+# the KV cache's keyword: transformers 5.24 renamed past_key_values to cache (the old name warns)
+_CACHE_KWARG = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
 
 ATOL = 2e-5
 VOCAB = 97
@@ -267,7 +272,7 @@ def test_unsupported_calls_raise_clearly():
     with torch.no_grad():
         out = ours(ids[:, :5], use_cache=True)
         with pytest.raises(ValueError, match="queries and keys of one length.*1 queries and 6 keys"):
-            ours(ids[:, 5:6], past_key_values=out.past_key_values, use_cache=True)
+            ours(ids[:, 5:6], use_cache=True, **{_CACHE_KWARG: out.past_key_values})
     with pytest.raises(TypeError, match="name must be a non-empty str"):
         dp_hf.register("")
 
