@@ -337,8 +337,9 @@ def describe_attention(
                 import doc_packed
 
                 with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
+                    # the plan the runtime will run (row-priced: its pairs need not be even)
                     plan = doc_packed.plan_context_parallel(
-                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv, row_cost=None
+                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
                     )
                 rows_per_plan = 1
             else:
