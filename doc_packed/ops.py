@@ -92,7 +92,7 @@ class Call(NamedTuple):
     prefix_lens: torch.Tensor | None = None
 
 
-assert Call._fields == tuple(n for n, _, _ in _SHARED), "Call and the schema list the same arguments"
+assert tuple(Call.__annotations__) == tuple(n for n, _, _ in _SHARED), "Call and the schema list the same arguments"
 
 
 def _schema(tensors: tuple[str, ...], outputs: int) -> str:
