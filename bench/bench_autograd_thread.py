@@ -1,12 +1,13 @@
 """Host cost of a tensor op on the autograd engine's device thread vs the calling thread (one GPU).
 
 A context-parallel rank at CP 8 is host-bound, and through the op's autograd its host time per
-forward+backward read 3.50 ms against 1.85 ms calling the passes directly (docs/benchmarks.md
-section 19), with every launch and allocation ~1.7x slower in the profile. This times N small
-in-place ops (``x.add_(1)``, launched and not waited for) three ways: in the calling thread (the
-anchor), inside a backward that autograd runs on its CUDA device thread (the default), and
-inside the same backward with ``torch.autograd.set_multithreading_enabled(False)`` (the backward
-runs on the calling thread). Prints microseconds per op and the ratio to the anchor.
+forward+backward read 3.50 ms against 1.85 ms calling the passes directly (1 x H200, 2026-11-24;
+docs/context_parallel.md, "Tried and not kept"), with every launch and allocation ~1.7x slower
+in the profile. This times N small in-place ops (``x.add_(1)``, launched and not waited for)
+three ways: in the calling thread (the anchor), inside a backward that autograd runs on its CUDA
+device thread (the default), and inside the same backward with
+``torch.autograd.set_multithreading_enabled(False)`` (the backward runs on the calling thread).
+Prints microseconds per op and the ratio to the anchor.
 Usage: ``python bench/bench_autograd_thread.py [--ops 400] [--repeats 30]``.
 """
 

@@ -6,7 +6,7 @@ layers, dim 2048, 16/4 heads, vocab 8192, bf16) is traced and solved again on CP
 AutoParallel's fake process group and the same constraints, and the solution is priced by
 :func:`shardings.step_model.price_placement` both ways. The anchor is the measured step (mean
 and median of the run's timed steps): measured / model within 15% is the goal
-(docs/benchmarks.md). Needs AutoParallel. The documents are priced at their mean length (2k),
+(docs/scenarios.md, "The step model against measured steps"). Needs AutoParallel. The documents are priced at their mean length (2k),
 not the run's own first layout.
 
     python bench/bench_step_model.py [--runs 2x-128k-cp 2x-32k-dp ...]

@@ -10,7 +10,7 @@ under a plain :class:`torch.autograd.Function` with the same gradient rule
 (:func:`doc_packed.ops.input_grads`). Same kernels, same saved tensors, same results bit for bit;
 what it skips is the dispatcher's custom-op machinery, which on torch 2.11 costs ~60-80 us per
 op call plus ~300 us for the autograd wrapper around a forward+backward on an H200's host
-(docs/benchmarks.md, section 10): more than FA4's own launch at short sequence lengths.
+(docs/kernels.md, "Host cost per call"): more than FA4's own launch at short sequence lengths.
 """
 
 from __future__ import annotations

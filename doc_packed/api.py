@@ -107,7 +107,7 @@ def _validated_once(*args):
     """:func:`_validated`, remembered per call signature: the tensors' type, shape, strides, dtype
     and device, every other argument with its type, and the innermost :func:`planning` block. Its
     rules read metadata only, so a model calling attention with the same shapes in every layer
-    pays for them once (~20-40 us of Python per call otherwise; docs/benchmarks.md section 10).
+    pays for them once (~20-40 us of Python per call otherwise; docs/kernels.md, "Host cost per call").
     Plain tensors only, in eager code, with a ``ProcessGroup`` or no group (a group *name* may
     be rebound to another group); failures are never remembered."""
     key: list = [_hints[-1] if _hints else None]

@@ -5,12 +5,15 @@
 - Private names of torch, AutoParallel and FlashAttention are touched only in the compat
   modules: no ``from torch._x import``/``import torch._x``, no ``from m import _name`` and no
   ``obj._attr`` on anything but ``self``/``cls`` elsewhere in the two packages.
+- The page itself matches the code: every file, module and name it puts in backticks exists,
+  and its module tables have one row per module of each package.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -140,3 +143,142 @@ def test_the_scan_sees_private_uses(tmp_path):
     )
     uses = _private_uses(src, "doc_packed")
     assert len(uses) == 6, uses
+
+
+# -- docs/architecture.md names what the code has ------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+
+
+def _defined(path: pathlib.Path) -> set[str]:
+    """Names a module defines at its top level (also under ``if``/``try``), and, for a package's
+    ``__init__.py``, its submodules."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo.extend(getattr(node, "body", []) + getattr(node, "orelse", []) + getattr(node, "finalbody", []))
+            todo.extend(b for h in getattr(node, "handlers", []) for b in h.body)
+    if path.name == "__init__.py":
+        names.update(p.stem for p in path.parent.iterdir() if p.suffix == ".py" or p.is_dir())
+    return names
+
+
+def _module(parts: list[str]) -> pathlib.Path | None:
+    """The file of a dotted module name, as the page writes it: absolute (``doc_packed.cp``) or
+    relative to a package (``cp.plan``, ``kernels.spec``, ``strategies``)."""
+    for base in (ROOT, *(ROOT / p for p in PACKAGES)):
+        stem = base.joinpath(*parts)
+        for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _path_exists(text: str) -> bool:
+    """A path the page names: from the repository root, from a package, or a file name found in
+    a package (``cute.py`` of ``compat/``)."""
+    bases = (ROOT, *(ROOT / p for p in PACKAGES), ROOT / "tests", ROOT / "bench")
+    if any((b / text).exists() for b in bases):
+        return True
+    return "/" not in text.rstrip("/") and any(any((ROOT / p).rglob(text.rstrip("/"))) for p in PACKAGES)
+
+
+def architecture_name_errors(text: str) -> list[str]:
+    """Backticked paths, ``path::name`` references and dotted names of our packages that do not
+    exist in the code."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code blocks are not names
+    bad = []
+    for span in CODE_SPAN.findall(text):
+        token = re.split(r"[\s(=\[,]", span.strip())[0]
+        if "::" in token:
+            file, name = token.split("::", 1)
+            if not file.endswith(".py"):  # an op name (doc_packed::attn_fwd)
+                continue
+            found = next((b / file for b in (ROOT, *(ROOT / p for p in PACKAGES)) if (b / file).is_file()), None)
+            if found is None:
+                bad.append(f"`{span}`: no file {file}")
+            elif name.split(".")[0] not in _defined(found):
+                bad.append(f"`{span}`: {file} defines no {name}")
+        elif re.fullmatch(r"[\w./-]+\.(py|json)|[\w/]+/", token):
+            if not _path_exists(token):
+                bad.append(f"`{span}`: no such path")
+        elif re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", token):
+            parts = token.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                module = _module(parts[:i])
+                if module is not None:
+                    if parts[i] not in _defined(module):
+                        bad.append(f"`{span}`: {module.relative_to(ROOT)} defines no {parts[i]}")
+                    break
+    return bad
+
+
+def test_architecture_page_names_exist():
+    """Every file, module and name docs/architecture.md puts in backticks exists (dotted names
+    are checked where their first part is one of our modules; others, e.g. torch's, are not)."""
+    bad = architecture_name_errors(ARCHITECTURE.read_text())
+    assert not bad, "docs/architecture.md names what the code does not have:\n" + "\n".join(bad)
+
+
+def _module_tables(text: str) -> dict[str, list[tuple[str, str]]]:
+    """Per package section (``## doc_packed/``), the (first cell, whole row) of its module table."""
+    tables: dict[str, list[tuple[str, str]]] = {}
+    section = None
+    for line in text.splitlines():
+        heading = re.match(r"^## (\w+)/\s*$", line)
+        if heading:
+            section = heading.group(1)
+            tables[section] = []
+        elif line.startswith("## "):
+            section = None
+        elif section and line.startswith("| `"):
+            tables[section].append((CODE_SPAN.match(line[2:]).group(1), line))
+    return tables
+
+
+def test_architecture_module_tables_match_the_packages():
+    """Each package's table on docs/architecture.md has one row per module and subpackage, no row
+    for something that is gone, and a subpackage's row names each of its modules."""
+    tables = _module_tables(ARCHITECTURE.read_text())
+    assert set(tables) == set(PACKAGES), f"package sections on the page: {sorted(tables)}"
+    problems = []
+    for package, rows in tables.items():
+        root = ROOT / package
+        present = {
+            p.name + ("/" if p.is_dir() else "")
+            for p in root.iterdir()
+            if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())
+        }
+        listed = {name for name, _ in rows if name != "__init__.py"}
+        problems += [f"{package}/{n}: no row" for n in sorted(present - listed)]
+        problems += [f"{package}/{n}: row for a module that does not exist" for n in sorted(listed - present)]
+        for name, row in rows:
+            if name.endswith("/") and (root / name).is_dir():
+                for module in sorted((root / name).glob("*.py")):
+                    if module.name != "__init__.py" and module.stem not in row:
+                        problems.append(f"{package}/{name}{module.name}: not named in its package's row")
+    assert not problems, "docs/architecture.md's module tables against the code:\n" + "\n".join(problems)
+
+
+def test_the_name_check_sees_wrong_names():
+    """The check itself catches each form (a check that finds nothing proves nothing)."""
+    page = (
+        "`ops._SHARED` `ops._SHARED_ARGS` `kernels/__init__.py::TABLE` `kernels/__init__.py::NOPE` "
+        "`cp/plan.py` `cp/nope.py` `doc_packed::attn_fwd` `torch.chunk` `cp.plan.chunk_len(S, c)`\n"
+        "```python\nops.not_a_name\n```\n"
+    )
+    assert architecture_name_errors(page) == [
+        "`ops._SHARED_ARGS`: doc_packed/ops.py defines no _SHARED_ARGS",
+        "`kernels/__init__.py::NOPE`: kernels/__init__.py defines no NOPE",
+        "`cp/nope.py`: no such path",
+    ]

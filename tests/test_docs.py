@@ -131,3 +131,92 @@ def test_markers_are_known():
                 assert lang == "python", f"{path.name}:{line}: doc-test markers go before python blocks"
                 known = r"skip \(.+\)|autoparallel|ranks \d+|requires( [\w.]+)+"
                 assert re.fullmatch(known, mark), f"{path.name}:{line}: {mark!r}"
+
+
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+CODE_SPAN = re.compile(r"`+[^`\n]*`+")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation but ``-`` and ``_``
+    removed, spaces as ``-``."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = text.replace("`", "").replace("*", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """Every heading anchor of a markdown file (repeats get ``-1``, ``-2``, ... as on GitHub)."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, target) of every markdown link outside fenced blocks and code spans."""
+    out, fenced = [], False
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.extend((i, m.group(1)) for m in LINK.finditer(CODE_SPAN.sub("", line)))
+    return out
+
+
+def broken_links(path: pathlib.Path) -> list[str]:
+    """Relative links of ``path`` that point at no file or folder, or at no heading of a
+    markdown file (GitHub's anchors)."""
+    bad = []
+    for line, target in links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, ...
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            bad.append(f"{path.name}:{line}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{path.name}:{line}: {target} (no heading #{anchor} in {dest.name})")
+    return bad
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    bad = broken_links(path)
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_the_link_check_sees_broken_links(tmp_path):
+    (tmp_path / "other.md").write_text("# A heading: `with` code\n\n## Twice\n\n## Twice\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md#a-heading-with-code) [ok](other.md#twice-1) [ok](#local) [web](https://x.org/y)\n"
+        "# Local\n"
+        "[gone](missing.md) [bad anchor](other.md#nowhere) `[in code](missing.md)`\n"
+        "```text\n[in a block](missing.md)\n```\n"
+    )
+    assert broken_links(page) == [
+        "page.md:3: missing.md (no such file)",
+        "page.md:3: other.md#nowhere (no heading #nowhere in other.md)",
+    ]
+
+
+def test_slugs_are_githubs():
+    assert slug("8. Context parallelism: every rank agrees, or every rank raises") == (
+        "8-context-parallelism-every-rank-agrees-or-every-rank-raises"
+    )
+    assert slug("Made ahead: `doc_packed.cp.prepare`") == "made-ahead-doc_packedcpprepare"
+    assert slug("Model vs measured (2x H200)") == "model-vs-measured-2x-h200"
+    assert slug("Packing for context parallelism: time") == "packing-for-context-parallelism-time"

@@ -117,7 +117,7 @@ def _ensure_communicator(group_name: str, pg: dist.ProcessGroup, device: torch.d
     Then one 1-element all-to-all: NCCL also connects each pair of ranks lazily, at their first
     transfer, so a new layout that first pairs two ranks would pay that set-up inside a training
     step; every pair is connected here instead. (Not shown to matter: the slow steps measured at
-    CP 4 on 4 x H200 stayed with it, docs/benchmarks.md section 25.)"""
+    CP 4 on 4 x H200 stayed with it, docs/end_to_end.md, "4 x H200".)"""
     if device.type == "cpu" or _warm.get((group_name, device.type)) is pg:
         return
     dist.all_reduce(torch.zeros(1, device=device), group=pg)

@@ -74,7 +74,7 @@ class Backend(NamedTuple):
 
 
 # ``auto``'s order: FA4 measured fastest on Hopper in every layout we ran, flex next (faster
-# than torch's varlen kernel everywhere on H100/H200; docs/benchmarks.md)
+# than torch's varlen kernel everywhere on H100/H200; docs/kernels.md, "Measured")
 TABLE: tuple[Backend, ...] = (
     Backend(
         name="fa4",

@@ -2,7 +2,7 @@
 
 FA4's ``_flash_attn_fwd`` spends ~60 us of Python per call on an H200's host (argument checks,
 tile and scheduler choice, a ~70-field compile key) before a launch that takes ~5-10 us
-(docs/benchmarks.md, section 17). What it decides depends only on what :func:`key` holds (the
+(docs/kernels.md, "FA4 launch replay"). What it decides depends only on what :func:`key` holds (the
 spec, q/k/v shapes, strides and dtype, device, scale, softcap, whether lse is written), so the
 first call for a key runs FA4 as usual while watching its JIT cache hand out the compiled
 kernel (:func:`record`), and keeps that launch's arguments with the per-call tensors left out.
