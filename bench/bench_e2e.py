@@ -371,7 +371,7 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
         per_doc = models.document_losses(last["tok_loss"], last["doc_ids"], B * max_docs, group=dist.group.WORLD)
-        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss),
+        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss.detach()),
                                    doc_loss=doc_loss_stats(per_doc.cpu()), host={k: after[k] - before[k] for k in after})
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
@@ -515,6 +515,13 @@ def worker(rank, world, port, args):
         for r in rows:
             for threads, t in r.get("threads", {}).items():
                 print(f"{r['mode']} ({threads} threads): step times ms " + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"]))
+        if anchor and len(anchor["attentions"]) > 1:  # the placed step against each library attention's
+            for r in rows:
+                for threads, t in r.get("threads", {}).items():
+                    vs = [f"{attn} {t['tokens_per_s'] / world / a['compiled_tokens_per_s']:.3f}"
+                          for attn, a in anchor["attentions"].items() if "error" not in a]  # fmt: skip
+                    print(f"{r['mode']} ({threads} threads) per GPU / plain compiled, by the anchor's attention: "
+                          + ", ".join(vs))  # fmt: skip
         for r in rows:
             for threads, t in r.get("threads", {}).items():
                 d = t["doc_loss"]

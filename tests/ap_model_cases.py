@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -140,12 +140,13 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _loss(logits, targets, numel):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / numel
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: the loss in float32
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / numel
 
 
 def reference(which, data, training: Training, layers: int | None = None):
     """One process: the initial parameters and buffers, each step's loss, the first step's
-    gradients. Mixed precision as AutoParallel's policy does it: the float32 parameters cast to
+    gradients (placed runs report their largest gap relative to each gradient's largest value). Mixed precision as AutoParallel's policy does it: the float32 parameters cast to
     bf16 for the forward (``functional_call``), gradients back through the cast in float32."""
     torch.manual_seed(0)
     model, _ = build(which, layers=layers)
@@ -168,6 +169,11 @@ def reference(which, data, training: Training, layers: int | None = None):
         opt.zero_grad()
         losses.append(loss.item())
     return state, buffers, losses, grads
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest gap over ``want``'s largest magnitude."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def ap_train(rank, world, *args, **kwargs):
@@ -215,6 +221,13 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
     _, vocab = build(which, layers=layers)
     data = batches(which, layout, vocab, steps)
     init_state, init_buffers, ref_losses, ref_grads = reference(which, data, training, layers)
+    bf16_noise = {}
+    if training.mixed_precision:  # how far bf16 compute alone moves the one-process run
+        _, _, f32_losses, f32_grads = reference(which, data, replace(training, mixed_precision=False), layers)
+        bf16_noise = dict(
+            loss=max(abs(a - b) / abs(b) for a, b in zip(ref_losses, f32_losses)),
+            grad=max(_rel_err(ref_grads[k], f32_grads[k]) for k in f32_grads),
+        )
     # tokens / positions / targets: batch on "dp", tokens on "cp"; cu_seqlens rows follow the batch
     tok_pl = tuple(Shard(0) if n == "dp" else Shard(1) for n in names)
     cu_pl = tuple(Shard(0) if n == "dp" and layout == "rows" else Replicate() for n in names)
@@ -254,7 +267,7 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
     torch._dynamo.utils.counters.clear()
     run, choice = compile_placed(parallel, compile_backend)
     opt = training.optimizer(parallel.parameters())
-    losses, grad_err = [], 0.0
+    losses, grad_err, grad_dtypes = [], 0.0, []
     for step, (inputs, targets) in enumerate(data):
         local = [distribute_tensor(t, mesh, pl).to_local() for t, pl in zip(inputs, in_pl)]
         logits = run(*local)
@@ -262,9 +275,10 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
         loss = _loss(logits, local_t, targets.numel())
         loss.backward()
         if step == 0:  # every parameter's whole gradient against the reference's
+            grad_dtypes = sorted({str(p.grad.dtype) for p in parallel.parameters()})
             for name, p in parallel.named_parameters():
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grad_err = max(grad_err, (g - ref_grads[plain_name(name)]).abs().max().item())
+                grad_err = max(grad_err, _rel_err(g, ref_grads[plain_name(name)]))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -275,8 +289,8 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
         dist.broadcast_object_list(held, src=0)
         choices = held[0]
     return dict(
-        losses=losses, ref_losses=ref_losses, grad_err=grad_err, layout=choices, graph=graph,
-        grad_dtypes=sorted({str(p.grad.dtype) if p.grad is not None else "none" for p in parallel.parameters()}),
+        losses=losses, ref_losses=ref_losses, grad_err=grad_err, bf16_noise=bf16_noise, layout=choices, graph=graph,
+        grad_dtypes=grad_dtypes,
         param_dtypes=sorted({str(p.dtype) for p in parallel.parameters()}),
         compiled_with=choice.backend, graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
     )  # fmt: skip
