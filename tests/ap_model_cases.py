@@ -189,9 +189,11 @@ def _solve(autop, training: Training):
     rank builds the same ILP, so one solve is enough (CBC's time, once instead of per rank)."""
     if not training.solve_once:
         return autop.optimize_placement()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # the broadcast runs on real tensors
+
     opt = autop.sharding_optimizer
     text = [None]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, unset_fake_temporarily():
         path = os.path.join(tmp, "placements.json")
         if dist.get_rank() == 0:
             placement = autop.optimize_placement()
