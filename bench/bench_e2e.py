@@ -30,27 +30,47 @@ OMP_NUM_THREADS says otherwise) and with one thread (``--threads``), printing ev
 the slowest over the median, and what the steps cost the host (schedules built, device reads).
 Launch with ``--gpus N`` (spawn) or under ``torchrun --nproc-per-node N bench/bench_e2e.py``.
 Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
-Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]``.
+
+Models (``--model``, bench/e2e_models.py): ``example`` (the default: the historical runs, SGD and
+bf16 parameters), and in Llama-3-8B's shape (``--layers`` of them) ``llama8b`` (the example model
+with SwiGLU), ``hf-llama`` (transformers' Llama, ``attn_implementation="doc_packed"``) and
+``titan-llama`` (torchtitan's Llama3 8B config, ``use_doc_packed``). Training settings: ``--optim``
+(``adamw``, torchtitan's defaults, unless the model is ``example``), ``--mp bf16`` (the default
+unless ``example``: float32 parameters, bf16 compute, float32 gradient reduction through
+AutoParallel's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` as torchtitan's
+AutoParallel flow sets it; the one-device anchor runs under ``torch.autocast(bf16)``, torchtitan's
+single-device mixed precision), ``--ac`` (activation checkpointing: every block recomputed, each
+library's own way). The anchor also runs the library's own attentions on the same packed batch
+(``--attn``, default doc_packed and theirs: transformers ``sdpa,flex_attention``, torchtitan
+``varlen,flex``). Every run reports the loss per document (mean over the batch's documents of each
+document's mean token loss) next to the token-mean loss.
+Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]
+[--model hf-llama --layers 4 --ac]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's doc_packed / shardings, not an installed copy
+sys.path.insert(0, HERE)  # e2e_models
 
 import doc_packed as dp  # noqa: E402
+import e2e_models as models  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer, training_flops  # noqa: E402
 from doc_packed.layout import lognormal_lengths  # noqa: E402
 
 
@@ -74,41 +94,109 @@ MODES = {
 }
 
 
-def make_batches(n, cfg, B, S, mean_doc, device, seed=0):
+@dataclass(frozen=True)
+class Settings:
+    """How a run trains: ``optim`` "sgd" / "adamw"; ``mp`` "off" (parameters in the run's dtype) /
+    "bf16" (float32 parameters, bf16 compute, float32 gradient reduction); ``lr`` (None: the
+    optimizer's default here)."""
+
+    optim: str = "sgd"
+    mp: str = "off"
+    lr: float | None = None
+
+    def param_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.mp == "bf16" else dtype
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        if self.optim == "sgd":
+            return torch.optim.SGD(params, lr=self.lr or 1e-3)
+        # torchtitan's AdamW defaults (its OptimizersContainer config)
+        return torch.optim.AdamW(params, lr=self.lr or 8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def mp_policy(self):
+        """AutoParallel's policy, as torchtitan's AutoParallel flow sets it (None: off)."""
+        if self.mp == "off":
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+    def autocast(self, device: torch.device):
+        """The one-device anchor's mixed precision: torch.autocast(bf16), as torchtitan's trainer
+        runs a model it does not shard (``maybe_enable_amp``)."""
+        return torch.autocast(device.type, dtype=torch.bfloat16) if self.mp == "bf16" else contextlib.nullcontext()
+
+    def __str__(self) -> str:
+        mp = {"off": "parameters in the run dtype", "bf16": "bf16 compute, float32 parameters and gradient reduction"}
+        return f"{self.optim}, {mp[self.mp]}"
+
+
+def make_batches(n, spec, B, S, mean_doc, device, seed=0):
     """``n`` steps of (tokens, targets, cu_seqlens on the host): lognormal documents, a new layout
     per step (the data side has the layout on the host before the step)."""
     batches = []
     for step in range(seed, seed + n):
         g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, cfg["vocab"], (B, S), generator=g)
-        targets = torch.randint(0, cfg["vocab"], (B, S), generator=g)
+        tokens = torch.randint(0, spec.cfg["vocab"], (B, S), generator=g)
+        targets = torch.randint(0, spec.cfg["vocab"], (B, S), generator=g)
         cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=S // 8)
         batches.append((tokens.to(device), targets.to(device), cu))
     return batches
 
 
-def step_flops(cfg, batches, S) -> float:
+def step_flops(spec, batches, S) -> float:
     """Mean model FLOPs per step over ``batches``."""
     with torch.device("meta"):
-        model = Transformer(**cfg)
-    return sum(training_flops(model, cu, S) for _, _, cu in batches) / len(batches)
+        model = models.build(spec)
+    return sum(models.step_flops(spec, model, cu, S) for _, _, cu in batches) / len(batches)
 
 
-def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
-    """The plain model on this one device, one row of S tokens: seconds per step, eager and compiled."""
+def doc_loss_stats(per_doc: torch.Tensor) -> dict:
+    """The loss per document: mean, min and max over the documents that have tokens."""
+    v = per_doc[~torch.isnan(per_doc)]
+    return dict(docs=int(v.numel()), mean=float(v.mean()), min=float(v.min()), max=float(v.max()))
+
+
+def plain_anchor(spec, attns, S, mean_doc, device, dtype, settings, steps, warmup) -> dict:
+    """The plain model on this one device, one row of S tokens, with each attention of ``attns``
+    (doc_packed, or the library's own on the same packed batch): seconds per step, eager and
+    compiled. The first attention's figures are also the top-level keys (the per-GPU columns)."""
+    batches = make_batches(warmup + steps, spec, 1, S, mean_doc, device)
+    out: dict = dict(flops=step_flops(spec, batches[warmup:], S), attentions={})
+    for attn in attns:
+        try:
+            out["attentions"][attn] = _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup)
+        except Exception as e:  # report and go on with the next attention
+            out["attentions"][attn] = dict(error=f"{type(e).__name__}: {e}"[:600])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out.update(out["attentions"][attns[0]])
+    return out
+
+
+def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) -> dict:
     torch.manual_seed(0)
-    model = Transformer(**cfg).to(device=device, dtype=dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    batches = make_batches(warmup + steps, cfg, 1, S, mean_doc, device)
-    out = {}
-    for kind, m in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
+    with torch.device(device):
+        model = models.build(spec, attn)
+    models.init_weights(model)
+    for p in model.parameters():
+        p.data = p.data.to(settings.param_dtype(dtype))
+    opt = settings.optimizer(model.parameters())
+    call = models.anchor_call(spec, attn, model)
+    out: dict = {}
+    # doc_packed compiles whole (no graph breaks); another attention as its library compiles it
+    for kind, m in (("eager", model), ("compiled", torch.compile(model, fullgraph=attn == "doc_packed"))):
         def step(i):
             tokens, targets, cu = batches[i]
-            cu = dp.cp.prepare(cu, None, device=device)  # validated, on the device, registered
-            loss = torch.nn.functional.cross_entropy(m(tokens, cu).flatten(0, 1).float(), targets.flatten())
-            loss.backward()
+            # doc_packed: validated, on the device, registered; theirs: the library's masks
+            cu = dp.cp.prepare(cu, None, device=device) if attn == "doc_packed" else cu.to(device)
+            with settings.autocast(device):
+                logits = m(*call(tokens, cu))
+            tok_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+            tok_loss.mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return tok_loss
 
         for i in range(warmup):
             step(i)
@@ -116,21 +204,35 @@ def plain_anchor(cfg, S, mean_doc, device, dtype, steps, warmup) -> dict:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(warmup, warmup + steps):
-            step(i)
+            tok_loss = step(i)
         if device.type == "cuda":
             torch.cuda.synchronize()
         out[f"{kind}_step_s"] = (time.perf_counter() - t0) / steps
         out[f"{kind}_tokens_per_s"] = S / out[f"{kind}_step_s"]
-    out["flops"] = step_flops(cfg, batches[warmup:], S)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        cu = batches[warmup + steps - 1][2]
+        per_doc = models.document_losses(tok_loss, models.global_doc_ids(cu, S), cu.numel() - cu.shape[0])
+        out[f"{kind}_doc_loss"] = doc_loss_stats(per_doc.cpu())
     return out
 
 
-def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path,
-             thread_settings, use_prepare):
+def _meta_model(spec, dtype):
+    """The model AutoParallel traces (parameters on meta, in ``dtype``) and its buffers' values
+    (RoPE tables: computed on the host as the library computes them, copied in after placement)."""
+    if spec.name in ("hf-llama", "titan-llama"):
+        with models.parameters_on_meta():
+            model = models.build(spec)
+    else:
+        with torch.device("meta"):
+            model = models.build(spec)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)  # parameters only (torchtitan's RoPE table is complex)
+    return model, {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path,
+             thread_settings, use_prepare, settings):
     from autoparallel.api import AutoParallel
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
     from shardings.compile import compile_placed
@@ -140,14 +242,13 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     torch._dynamo.reset()  # each mode compiles its own placed module
     rank, world = dist.get_rank(), dist.get_world_size()
     max_docs = S // 8
-    batches = make_batches(warmup + steps, cfg, B, S, mean_doc, device)
+    batches = make_batches(warmup + steps, spec, B, S, mean_doc, device)
 
     def input_fn():
-        return (torch.randint(0, cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
+        return (torch.randint(0, spec.cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
 
     cu_host = batches[0][2].cpu()  # real tensors must be read before AutoParallel's fake mode
-    with torch.device("meta"):
-        model = Transformer(**cfg).to(dtype)
+    model, buffers = _meta_model(spec, settings.param_dtype(dtype))
     t0 = time.perf_counter()
     names = mesh.mesh_dim_names
     tok_words, force = MODES[mode](names)
@@ -158,8 +259,9 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         device_name_for_cost_model(),
         dp.planning(doc_len=mean_doc),
         pricing(mesh, rates=rates, gpus_per_host=gpus_per_host, cu_seqlens=cu_host),
-        AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, gpus_per_host)) as autop,
-    ):
+        AutoParallel(model, input_fn, mesh, mp_policy=settings.mp_policy(),
+                     cost_model=cost_model_for(mesh, gpus_per_host)) as autop,
+    ):  # fmt: skip
         if tok_words is not None:
             tok_pl = tuple(pl[w] for w in tok_words)
             cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
@@ -183,16 +285,22 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         parallel = autop.apply_placement(placement)
     plan_s = time.perf_counter() - t0
     parallel.to_empty(device=device)
-    with torch.no_grad():
-        for p in parallel.parameters():
-            p.to_local().normal_(0, 0.02)
+    torch.manual_seed(0)
+    models.init_weights(parallel)
+    with torch.no_grad():  # the buffers' real values (RoPE tables), in each one's placement
+        for name, b in parallel.named_buffers():
+            full = buffers[name].to(device)
+            if isinstance(b, DTensor):
+                b.to_local().copy_(distribute_tensor(full, b.device_mesh, b.placements).to_local())
+            else:
+                b.copy_(full)
     model, choice = compile_placed(parallel, compile_backend)
     predicted = predicted_by[choice.backend != "eager"]
-    opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
+    opt = settings.optimizer(parallel.parameters())
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
     out_pl = tok_pl if tok_words is not None else None
 
-    cp_calls = _cp_calls(autop.gm, cfg)
+    cp_calls = _cp_calls(autop.gm, spec.cfg)
     ready: dict[int, torch.Tensor] = {}
 
     def local_cu(i):
@@ -210,27 +318,34 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
                                 window_size=window, device=device)
         return out
 
+    def like_logits(full, logits):
+        """``full`` ([B, S]) as this rank's logits hold it: in the tokens' placement
+        (constrained), or, left to the solver on a 1-D mesh, told by the local shape."""
+        if out_pl is not None:
+            return distribute_tensor(full, mesh, out_pl).to_local()
+        if logits.shape[0] != B:
+            return full.chunk(world, 0)[rank]
+        if logits.shape[1] != S:
+            return full.chunk(world, 1)[rank]
+        return full
+
+    last: dict = {}
+
     def step(i, n):
-        tokens, targets, _ = batches[i]
+        tokens, targets, cu_full = batches[i]
         lc = ready.pop(i) if i in ready else local_cu(i)
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
         logits = model(lt, lc)
         if i + 1 < n:  # the next batch's host work while this step's is queued
             ready[i + 1] = local_cu(i + 1)
-        # the logits come out in the tokens' placement (constrained), or were left to the solver
-        # on a 1-D mesh: then tell batch from sequence sharding by the local shape
-        if out_pl is not None:
-            ltg = distribute_tensor(targets, mesh, out_pl).to_local()
-        elif logits.shape[0] != B:
-            ltg = targets.chunk(world, 0)[rank]
-        elif logits.shape[1] != S:
-            ltg = targets.chunk(world, 1)[rank]
-        else:
-            ltg = targets
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ltg.flatten())
+        tok_loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), like_logits(targets, logits).flatten(), reduction="none"
+        )
+        loss = tok_loss.mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        last.update(tok_loss=tok_loss, doc_ids=like_logits(models.global_doc_ids(cu_full, S).to(device), logits))
         return loss
 
     timed: dict[str, dict] = {}
@@ -238,7 +353,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
     for j, threads in enumerate(thread_settings):
         torch.set_num_threads(threads)
         if j:  # each setting gets layouts of its own (new ones every step: nothing planned before)
-            batches[:] = make_batches(warmup + steps, cfg, B, S, mean_doc, device, seed=1000 * j)
+            batches[:] = make_batches(warmup + steps, spec, B, S, mean_doc, device, seed=1000 * j)
         ready.clear()
         t0 = time.perf_counter()
         for i in range(warmup):
@@ -262,14 +377,15 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         after = dp.cp.runtime_counts()
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
-        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss),
-                                   host={k: after[k] - before[k] for k in after})
+        per_doc = models.document_losses(last["tok_loss"], last["doc_ids"], B * max_docs, group=dist.group.WORLD)
+        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss.detach()),
+                                   doc_loss=doc_loss_stats(per_doc.cpu()), host={k: after[k] - before[k] for k in after})
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
     head = timed[str(thread_settings[0])]
     res = dict(mode=mode, compile=str(choice), step_s=head["step_s"], tokens_per_s=head["tokens_per_s"], plan_s=plan_s,
-               warmup_s=first_s, flops=step_flops(cfg, batches[warmup:], S), loss=head["loss"], attention=layout,
-               inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
+               warmup_s=first_s, flops=step_flops(spec, batches[warmup:], S), loss=head["loss"],
+               doc_loss=head["doc_loss"], attention=layout, inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
                cp=[c.cp for c in choices if c.cp][:1], predicted_step_s=predicted.total_us * 1e-6,
                predicted=str(predicted), step_times_s=head["step_times_s"], threads=timed, prepare=use_prepare)
     if device.type == "cuda":
@@ -329,26 +445,30 @@ def worker(rank, world, port, args):
 
     if args.cpu_dry_run:
         device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
-        cfg = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
     else:
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
-        cfg = dict(vocab=8192, dim=args.dim, n_heads=args.dim // 128, n_kv_heads=max(1, args.dim // 512), n_layers=args.layers)
+    spec = models.spec_for(args.model, layers=args.layers, dim=args.dim, checkpoint=args.ac, tiny=args.cpu_dry_run)
+    real = args.model != "example"  # the real-settings runs: AdamW, bf16 mixed precision
+    train = Settings(optim=args.optim or ("adamw" if real else "sgd"), mp=args.mp or ("bf16" if real else "off"),
+                     lr=args.lr)
+    defaults = models.DEFAULT_ANCHOR_CPU if args.cpu_dry_run else models.DEFAULT_ANCHOR
+    attns = args.attn.split(",") if args.attn else defaults[args.model].split(",")
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"  # torchrun: its rendezvous
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else (world,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(args.names.split(",")))
     anchor = None
     if rank == 0 and not args.no_anchor:
-        anchor = plain_anchor(cfg, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup)
+        anchor = plain_anchor(spec, attns, args.seq, args.mean_doc, device, dtype, train, args.steps, args.warmup)
         print(json.dumps(dict(anchor=anchor)), flush=True)
     dist.barrier()
     rows = []
     for mode in args.modes.split(","):
         try:
-            r = run_mode(mode, mesh, cfg, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
-                         args.compile, args.gpus_per_host or world, args.rates, settings, not args.no_prepare)
+            r = run_mode(mode, mesh, spec, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
+                         args.compile, args.gpus_per_host or world, args.rates, settings, not args.no_prepare, train)
         except Exception as e:  # report and go on with the next mode
             import traceback
 
@@ -359,12 +479,22 @@ def worker(rank, world, port, args):
     if rank == 0:
         peak = args.peak_tflops * 1e12
         print(f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}")
-        print(f"model: {cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
+        print(f"model: {args.model} {spec.cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
+        print(f"training: {train}; activation checkpointing {'on' if args.ac else 'off'}")
         print(f"mesh: {tuple(mesh.shape)} {mesh.mesh_dim_names}; MFU peak {args.peak_tflops:g} TFLOP/s per GPU")
         if anchor:
-            for kind in ("eager", "compiled"):
-                print(f"one GPU, plain model {kind}: [1, {args.seq}] {anchor[kind + '_step_s']:.3f} s/step, "
-                      f"{anchor[kind + '_tokens_per_s']:.0f} tokens/s, MFU {anchor['flops'] / anchor[kind + '_step_s'] / peak:.2f}")
+            for attn, a in anchor["attentions"].items():
+                if "error" in a:
+                    print(f"one GPU, plain model, attention {attn}: error: {a['error'][:300]}")
+                    continue
+                for kind in ("eager", "compiled"):
+                    d = a[kind + "_doc_loss"]
+                    print(f"one GPU, plain model {kind}, attention {attn}: [1, {args.seq}] {a[kind + '_step_s']:.3f} "
+                          f"s/step, {a[kind + '_tokens_per_s']:.0f} tokens/s, MFU "
+                          f"{anchor['flops'] / a[kind + '_step_s'] / peak:.2f}, loss per document {d['mean']:.4f} "
+                          f"(min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)")
+            if "eager_step_s" not in anchor:
+                anchor = None  # doc_packed's own anchor failed: no per-GPU columns
         launcher = "torchrun" if port is None else "torch.multiprocessing.spawn"
         print(f"launcher: {launcher}; intra-op threads as launched: {launched_threads}; "
               f"cu_seqlens {'prepared a step ahead' if not args.no_prepare else 'moved in the step'}")
@@ -392,10 +522,23 @@ def worker(rank, world, port, args):
         for r in rows:
             for threads, t in r.get("threads", {}).items():
                 print(f"{r['mode']} ({threads} threads): step times ms " + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"]))
+        if anchor and len(anchor["attentions"]) > 1:  # the placed step against each library attention's
+            for r in rows:
+                for threads, t in r.get("threads", {}).items():
+                    vs = [f"{attn} {t['tokens_per_s'] / world / a['compiled_tokens_per_s']:.3f}"
+                          for attn, a in anchor["attentions"].items() if "error" not in a]  # fmt: skip
+                    print(f"{r['mode']} ({threads} threads) per GPU / plain compiled, by the anchor's attention: "
+                          + ", ".join(vs))  # fmt: skip
+        for r in rows:
+            for threads, t in r.get("threads", {}).items():
+                d = t["doc_loss"]
+                print(f"{r['mode']} ({threads} threads): last step's loss {t['loss']:.4f} (token mean), per document "
+                      f"{d['mean']:.4f} (min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)")
         for r in rows:
             if "predicted" in r:
                 print(f"{r['mode']}: step model {r['predicted']}")
-        rows.insert(0, dict(anchor=anchor, world=world, peak_tflops=args.peak_tflops))
+        rows.insert(0, dict(anchor=anchor, world=world, peak_tflops=args.peak_tflops, model=args.model, cfg=spec.cfg,
+                            training=str(train), ac=args.ac))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -408,7 +551,7 @@ def main():
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--dim", type=int, default=2048, help="--model example's width")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--mean-doc", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
@@ -424,6 +567,19 @@ def main():
     ap.add_argument("--threads", default="both", choices=["both", "launched", "1"],
                     help="time each mode with the launcher's intra-op threads and/or one thread")
     ap.add_argument("--no-prepare", action="store_true", help="move each step's cu_seqlens in the step (no prepare)")
+    ap.add_argument("--model", default="example", choices=models.MODELS,
+                    help="example (dim from --dim), or Llama-3-8B-shaped: llama8b, hf-llama, titan-llama (--layers)")
+    ap.add_argument("--attn", default=None,
+                    help="the anchor's attentions, comma-separated (default: doc_packed, and for hf-llama "
+                         "sdpa,flex_attention, for titan-llama varlen,flex); any of "
+                         + "; ".join(f"{m}: {','.join(a)}" for m, a in models.ATTENTIONS.items() if len(a) > 1))
+    ap.add_argument("--optim", default=None, choices=["sgd", "adamw"], help="default: adamw, sgd for --model example")
+    ap.add_argument("--mp", default=None, choices=["off", "bf16"],
+                    help="bf16: float32 parameters, bf16 compute, float32 gradient reduction (AutoParallel's "
+                         "MixedPrecisionPolicy); off: parameters in bf16 (GPU) / float32 (CPU). "
+                         "Default: bf16, off for --model example")
+    ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (SGD), 8e-4 (AdamW)")
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing: every block recomputed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()

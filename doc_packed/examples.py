@@ -33,31 +33,50 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, window=(-1, -1)):
+    """Attention and an MLP: ``silu(w1 x)`` of width ``4 * dim``, or with ``hidden`` Llama's
+    SwiGLU ``w2(silu(w1 x) * w3 x)`` of that width."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, window=(-1, -1), hidden: int | None = None):
         super().__init__()
         self.attn = Attention(dim, n_heads, n_kv_heads, window)
-        self.w1 = nn.Linear(dim, 4 * dim, bias=False)
-        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden or 4 * dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False) if hidden else None
+        self.w2 = nn.Linear(hidden or 4 * dim, dim, bias=False)
         self.n1 = nn.RMSNorm(dim)
         self.n2 = nn.RMSNorm(dim)
 
     def forward(self, x, cu_seqlens):
         x = x + self.attn(self.n1(x), cu_seqlens)
-        return x + self.w2(torch.nn.functional.silu(self.w1(self.n2(x))))
+        h = self.n2(x)
+        gate = torch.nn.functional.silu(self.w1(h))
+        return x + self.w2(gate if self.w3 is None else gate * self.w3(h))
+
+
+# Llama-3-8B's shape (no RoPE): Transformer(**LLAMA_8B, n_layers=...)
+LLAMA_8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336)
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, window=(-1, -1)):
+    """``checkpoint=True``: activation checkpointing, each block recomputed in the backward
+    (``torch.utils.checkpoint``, non-reentrant: AutoParallel and ``torch.compile`` trace it)."""
+
+    def __init__(
+        self, vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, window=(-1, -1), hidden=None, checkpoint=False
+    ):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList([Block(dim, n_heads, n_kv_heads, window) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([Block(dim, n_heads, n_kv_heads, window, hidden) for _ in range(n_layers)])
         self.norm = nn.RMSNorm(dim)
         self.out = nn.Linear(dim, vocab, bias=False)
+        self.checkpoint = checkpoint
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cu_seqlens, use_reentrant=False)
+            else:
+                x = layer(x, cu_seqlens)
         return self.out(self.norm(x))
 
 
