@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 import doc_packed as dp
 from doc_packed.examples import random_attention_problem
-from doc_packed.layout import lognormal_lengths
+from doc_packed.data import lognormal_lengths
 from doc_packed import kernels
 from doc_packed.env import backend_for
 from doc_packed.kernels import VarlenSpec
@@ -153,7 +153,7 @@ def layouts(
         if packing in ("greedy", "both"):
             out.append((name, drawn))
         if packing in ("cp", "both"):
-            order = dp.pack_order(drawn, S, cp_size=world)
+            order = dp.data.pack_order(drawn, S, cp_size=world)
             assert len(order.lengths) == 1, "one row of documents packs into one row"
             out.append((f"{name} cp-packed", order.lengths[0]))
     return out

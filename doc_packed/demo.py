@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 import doc_packed as dp
 from doc_packed.examples import Attention, Transformer
-from doc_packed.layout import lognormal_lengths
+from doc_packed.data import lognormal_lengths
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
@@ -395,7 +395,7 @@ def _greedy_packing(r: Result) -> list[str]:
     pieces = []  # the first step's input documents (n tokens each), split as pack_documents splits
     for n in lognormal_lengths(a.batch * a.seq, a.mean_doc, random.Random(a.seed)):
         pieces += [a.seq] * (n // a.seq) + ([n % a.seq] if n % a.seq else [])
-    cu = dp.cu_seqlens_from_lengths(dp.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
+    cu = dp.cu_seqlens_from_lengths(dp.data.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
     if cu.shape == r.batches[0][2].shape and torch.equal(cu, r.batches[0][2]):
         return [_row("packing", "first-fit (greedy)")]
     g = _runtime_plan(cu, r.world)
