@@ -274,6 +274,19 @@ class Packer:
         ``memo`` (one per end column and document) keeps the scores and the fits tried. The
         last piece is the longest that fits; with ``self.even``, up to that many tokens shorter
         where that lowers the worst column of the document's pieces (evened)."""
+        bounds = self._last_piece_bounds(b, k, n)
+        if bounds is None:
+            return None
+        got = memo.get(bounds)
+        if got is None:
+            got = memo[bounds] = self._score_end(k, n, *bounds, memo)
+        score, y = got
+        return score, b, self.lo[k] + y - n
+
+    def _last_piece_bounds(self, b: int, k: int, n: int) -> tuple[int, int] | None:
+        """Shortest and longest last piece in cell (b, k) of a document of ``n`` tokens ending
+        there, or None: the cell's documents must still fit after it, and the document may
+        reach back only over cells that are free and empty."""
         lo, fe = self.lo[k], self.fe[b][k]
         y_max = min(fe - lo - self.used[b][k], n)  # the cell's documents still fit after it
         # leftmost start allowed: walk back over cells that are free and empty
@@ -287,37 +300,53 @@ class Packer:
                 s_min = self.fs[b][j] + self.used[b][j]
             break
         y_min = max(1, s_min + n - lo)
-        if y_min > y_max:
-            return None
-        got = memo.get((y_min, y_max))
-        if got is not None:
-            return got[0], b, lo + got[1] - n
+        return None if y_min > y_max else (y_min, y_max)
 
-        cw, cf, t, fill = self.colw[k], self.colfree[k], max(self.tg[k], 1.0), self._fill
+    def _score_end(self, k: int, n: int, y_min: int, y_max: int, memo: dict) -> tuple[tuple, int]:
+        """``(score, last piece length)`` of a document of ``n`` tokens ending in column ``k``
+        with a last piece of ``y_min`` to ``y_max`` tokens. The score, lowest best: fits (no
+        column over its target) before not, then the fewest keys received (fits) or the least
+        overflow (does not), then the fewest keys."""
+        y = self._longest_fitting(k, n, y_min, y_max, memo)
+        last, other = self._columns_over(k, n, y)
+        if self.even is not None and y < n and last > other:
+            y, last, other = self._evened(k, n, y, max(y_min, y - self.even), last, other)
+        worst = max(last, other, 0.0)  # (other: -inf for a document whole in one cell)
+        kv = 0 if y == n else n - y
+        feasible = worst <= 1e-9
+        return (0 if feasible else 1, kv if feasible else worst, kv), y
+
+    def _columns_over(self, k: int, n: int, y: int) -> tuple[float, float]:
+        """(last piece's column over its target, worst other column over its target) for a
+        document of ``n`` tokens whose last piece is ``y`` tokens of column ``k``, each column
+        counted with the least work that fills the rest of its free tokens."""
         causal, left, right = self.mask
+        s = self.lo[k] + y - n
+        last, other = 0.0, -math.inf
+        colw, colfree, tg, lo_, hi_, fill = self.colw, self.colfree, self.tg, self.lo, self.hi, self._fill
+        r = min(s // self.cs, self.c - 1)  # the pieces, as _pieces(n, s)
+        e = s + n
+        prev = prefix_pairs(max(s, lo_[r]) - s, n, causal, left, right)
+        while r < self.c and lo_[r] < e:
+            a, z = max(s, lo_[r]), min(e, hi_[r])
+            if z > a:
+                nxt = prefix_pairs(z - s, n, causal, left, right)
+                v = (colw[r] + (nxt - prev) + fill(colfree[r] - (z - a))) / max(tg[r], 1.0) - 1
+                prev = nxt
+                if r == k:
+                    last = v
+                else:
+                    other = max(other, v)
+            r += 1
+        return last, other
+
+    def _longest_fitting(self, k: int, n: int, y_min: int, y_max: int, memo: dict) -> int:
+        """The longest last piece (``y_min`` to ``y_max`` tokens) of a document of ``n`` tokens
+        that keeps column ``k`` at its target (by bisection: monotone for causal masks);
+        ``y_min`` if none does. ``memo`` keeps the column's overflow per length."""
+        causal, left, right = self.mask
+        cw, cf, t, fill = self.colw[k], self.colfree[k], max(self.tg[k], 1.0), self._fill
         whole = prefix_pairs(n, n, causal, left, right)
-
-        def over(y: int) -> tuple[float, float]:
-            """(last piece's column over its target, worst other column over its target)."""
-            s = lo + y - n
-            last, other = 0.0, -math.inf
-            colw, colfree, tg, lo_, hi_ = self.colw, self.colfree, self.tg, self.lo, self.hi
-            r = min(s // self.cs, self.c - 1)  # the pieces, as _pieces(n, s)
-            e = s + n
-            prev = prefix_pairs(max(s, lo_[r]) - s, n, causal, left, right)
-            while r < self.c and lo_[r] < e:
-                a, z = max(s, lo_[r]), min(e, hi_[r])
-                if z > a:
-                    nxt = prefix_pairs(z - s, n, causal, left, right)
-                    v = (colw[r] + (nxt - prev) + fill(colfree[r] - (z - a))) / max(tg[r], 1.0) - 1
-                    prev = nxt
-                    if r == k:
-                        last = v
-                    else:
-                        other = max(other, v)
-                r += 1
-            return last, other
-
         plain = causal and left < 0  # prefix_pairs(m, n) = m (m + 1) / 2
 
         def last_over(y: int) -> float:
@@ -328,45 +357,39 @@ class Packer:
                 v = memo[y] = (cw + piece + fill(cf - y)) / t - 1  # piece: self._piece(n, n - y, n)
             return v
 
-        # largest y whose last piece fits (monotone for causal masks)
         a, z = y_min, y_max
         if last_over(a) > 0:
-            y = a  # even the smallest last piece overflows
-        elif causal and left < 0 and last_over(z) <= 0:
-            y = z  # the largest fits (the usual case): no search
-        else:
-            while a < z:
-                m = (a + z + 1) // 2
-                if last_over(m) <= 0:
-                    a = m
-                else:
-                    z = m - 1
-            y = a
-        last, other = over(y)
-        if self.even is not None and y < n and last > other:
-            # a shorter last piece moves work to the document's other pieces (the last one's
-            # column falls as y does, the others' rise): the y where they meet leaves the most
-            # room in the worst of them for the documents that fill them, at more keys
-            floor = max(y_min, y - self.even)
-            a, z = floor, y
-            while a < z:
-                m = (a + z) // 2
-                lm, om = over(m)
-                if lm >= om:
-                    z = m
-                else:
-                    a = m + 1
-            if a < y:
-                y2 = min((v for v in (a - 1, a) if v >= floor), key=lambda v: max(over(v)))
-                if max(over(y2)) < last:
-                    y = y2
-                    last, other = over(y)
-        worst = max(last, other, 0.0)  # (other: -inf for a document whole in one cell)
-        kv = 0 if y == n else n - y
-        feasible = worst <= 1e-9
-        score = (0 if feasible else 1, kv if feasible else worst, kv)
-        memo[y_min, y_max] = (score, y)
-        return score, b, lo + y - n
+            return a  # even the smallest last piece overflows
+        if causal and left < 0 and last_over(z) <= 0:
+            return z  # the largest fits (the usual case): no search
+        while a < z:
+            m = (a + z + 1) // 2
+            if last_over(m) <= 0:
+                a = m
+            else:
+                z = m - 1
+        return a
+
+    def _evened(self, k: int, n: int, y: int, floor: int, last: float, other: float) -> tuple[int, float, float]:
+        """``(y, last, other)`` with the last piece in column ``k`` shortened from ``y`` tokens
+        to no fewer than ``floor``: a shorter last piece moves work to the document's other
+        pieces (the last one's column falls as y does, the others' rise); the y where they meet
+        leaves the most room in the worst of them for the documents that fill them, at more
+        keys. Kept only where it lowers the worst column (``last, other`` are ``y``'s)."""
+        over = self._columns_over
+        a, z = floor, y
+        while a < z:
+            m = (a + z) // 2
+            lm, om = over(k, n, m)
+            if lm >= om:
+                z = m
+            else:
+                a = m + 1
+        if a < y:
+            y2 = min((v for v in (a - 1, a) if v >= floor), key=lambda v: max(over(k, n, v)))
+            if max(over(k, n, y2)) < last:
+                return (y2, *over(k, n, y2))
+        return y, last, other
 
     # -- 2. the rest ------------------------------------------------------------------------------
     def _assign(self, docs: list[int]) -> None:
