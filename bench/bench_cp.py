@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import random_attention_problem
+from doc_packed_examples.model import random_attention_problem
 from doc_packed.data import lognormal_lengths
 from doc_packed import kernels
 from doc_packed.env import backend_for

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import doc_packed as dp
-from doc_packed.examples import random_attention_problem
+from doc_packed_examples.model import random_attention_problem
 from doc_packed.flops import total_pairs
 from doc_packed.data import lognormal_lengths
 

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import Attention, Transformer
 from doc_packed.data import lognormal_lengths
+from doc_packed_examples.model import Attention, Transformer
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 

@@ -1,0 +1,9 @@
+"""doc-packed in use: the example model and the end-to-end demo.
+
+- :mod:`.model`: a small Llama-like transformer that calls :func:`doc_packed.doc_packed_attn`
+  (the model of the demo, the end-to-end tests and the benchmarks), ``training_flops`` and
+  ``random_attention_problem``.
+
+This package sits above both libraries: it may import :mod:`doc_packed` and :mod:`shardings`,
+and neither imports it.
+"""
