@@ -1,6 +1,6 @@
 """End-to-end demo: context-parallel training of a small transformer on packed documents.
 
-    python -m doc_packed.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3] [--free] [--out DIR]
+    python -m doc_packed_examples.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3] [--free] [--out DIR]
 
 Spawns CPU processes with a gloo group, packs random documents of arbitrary lengths into rows,
 and trains a small transformer whose attention runs context parallel (each rank holds a
