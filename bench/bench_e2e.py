@@ -13,7 +13,8 @@ anchor. Each mode reports tokens/s, tokens/s per GPU over the anchor's tokens/s,
 model FLOPs (:func:`doc_packed.examples.training_flops`, attention pairs of the real layouts)
 / (step time x GPUs x ``--peak-tflops``), next to the step-time model's prediction for the
 solved placement (:func:`shardings.step_model.price_placement` on the first batch's layout,
-rates from ``--rates``) and the MFU it implies.
+rates from ``--rates``; ops other than matmuls, attention and collectives priced fused when the
+module runs compiled, one kernel each when it runs eager) and the MFU it implies.
 The solver is told the real topology (``shardings.autoparallel.cost_model_for``: hosts of
 ``--gpus-per-host`` GPUs; AutoParallel's own detection falls back to an 87.7 GB/s link model
 on meshes that are not a multiple of 8 GPUs) and prices attention from the measured rates
@@ -170,10 +171,15 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         placement = lower_context_parallel(autop, placement)
         choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=rank == 0)
         in_pl = solved_input_placements(autop, placement)
-        predicted = price_placement(
-            autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host),
-            layout=layout,
-        )  # fmt: skip
+        # the step model, per op (an eager module) and fused (a compiled one): which one applies
+        # is known once compile_placed has chosen
+        predicted_by = {
+            fused: price_placement(
+                autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host),
+                layout=layout, fused=fused,
+            )
+            for fused in (False, True)
+        }  # fmt: skip
         parallel = autop.apply_placement(placement)
     plan_s = time.perf_counter() - t0
     parallel.to_empty(device=device)
@@ -181,6 +187,7 @@ def run_mode(mode, mesh, cfg, B, S, mean_doc, device, dtype, steps, warmup, comp
         for p in parallel.parameters():
             p.to_local().normal_(0, 0.02)
     model, choice = compile_placed(parallel, compile_backend)
+    predicted = predicted_by[choice.backend != "eager"]
     opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
     out_pl = tok_pl if tok_words is not None else None

@@ -24,6 +24,7 @@ import time
 import torch
 
 from doc_packed.cp import attention as cp_attention
+from doc_packed.ops import Call
 
 
 def main():
@@ -49,8 +50,9 @@ def main():
         lq, lk, lv, ld = (t.chunk(c, dim=1)[r].contiguous() for t in (q, k, v, dout))
 
         def step(lq=lq, lk=lk, lv=lv, ld=ld):
-            out, lse = cp_attention.forward(lq, lk, lv, cu, S, True, -1, 0, scale, "auto", emu.GROUP)
-            cp_attention.backward(ld, lq, lk, lv, out, lse, cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+            call = Call(cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+            out, lse = cp_attention.forward(lq, lk, lv, call)
+            cp_attention.backward(ld, lq, lk, lv, out, lse, call)
 
         for _ in range(3):
             step()

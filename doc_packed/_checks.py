@@ -255,11 +255,28 @@ def check_max_seqlen_arg(max_seqlen: object, name: str = "max_seqlen") -> None:
         raise ValueError(f"{name} must be in [1, 2**31 - 1], got {max_seqlen}")
 
 
+CP_GLOBAL_HINT = (
+    "; under context parallelism cu_seqlens is global: every rank passes the whole sequence's "
+    "boundaries, not the part that falls in its own chunk"
+)
+
+
+def cp_layout_error(err: ValueError, seq_len: int, cp_size: int) -> ValueError:
+    """A context-parallel call's error about where ``cu_seqlens`` ends: the likely cause is a rank
+    passing the boundaries of its own chunk, so say that the length is the ranks' chunks together
+    and that ``cu_seqlens`` is global. Other errors are returned as they are."""
+    msg = str(err)
+    if "must end at the sequence length" not in msg or CP_GLOBAL_HINT in msg:
+        return err
+    together = f"the sequence length {seq_len} ({cp_size} ranks' chunks of q together)"
+    return ValueError(msg.replace(f"the sequence length {seq_len}", together) + CP_GLOBAL_HINT)
+
+
 def varlen_layout_error(err: ValueError, tokens: int, cp_size: int | None) -> ValueError:
     """The packed entry's wording for an error about the values of its ``cu_seqlens``: the layout
     rules speak of row 0 of ``[B, MAX_DOCS + 1]`` and "the sequence length", where the caller
     passed a 1-D ``cu_seqlens`` and ``tokens`` tokens (``cp_size`` ranks: the whole sequence's,
-    which a rank's chunk of ``cu_seqlens`` does not reach)."""
+    which a rank's chunk of ``cu_seqlens`` does not reach: :func:`cp_layout_error`'s hint)."""
     msg = str(err)
     if not msg.startswith("cu_seqlens[0] "):
         return err
@@ -270,12 +287,9 @@ def varlen_layout_error(err: ValueError, tokens: int, cp_size: int | None) -> Va
         else f"T = {tokens}, the whole sequence's tokens ({cp_size} ranks' chunks of q together)"
     )
     msg = msg.replace(" (unused slots repeat it)", "")
-    msg = re.sub(r"the sequence length \d+", total, msg)
-    if cp_size is not None and "must end at" in msg:
-        msg += (
-            "; under context parallelism cu_seqlens is global: every rank passes the whole sequence's "
-            "boundaries, not the part that falls in its own chunk"
-        )
+    msg = re.sub(r"the sequence length \d+( \(\d+ ranks' chunks of q together\))?", total, msg)
+    if cp_size is not None and "must end at" in msg and CP_GLOBAL_HINT not in msg:
+        msg += CP_GLOBAL_HINT
     return ValueError(msg)
 
 

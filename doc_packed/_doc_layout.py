@@ -30,9 +30,10 @@ least-recently-used memo of at most ``_DERIVED_SIZE`` entries per layout.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from . import _compat
@@ -48,12 +49,16 @@ class DocLayout:
 
     __slots__ = ("seq_len", "rows", "_derived")
 
-    def __init__(self, bounds: list[list[int]], seq_len: int):
+    def __init__(self, bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int):
         self.seq_len = seq_len
-        # per row, the (start, end) of each non-empty document
-        self.rows: tuple[tuple[tuple[int, int], ...], ...] = tuple(
-            tuple((s, e) for s, e in zip(row[:-1], row[1:]) if e > s) for row in bounds
-        )
+        # per row, the (start, end) of each non-empty document (NumPy: a row holds MAX_DOCS + 1
+        # entries, mostly the repeated tail, and a layout is new every step)
+        rows = []
+        for row in bounds:
+            r = np.asarray(row, dtype=np.int64)
+            docs = np.flatnonzero(r[1:] > r[:-1])
+            rows.append(tuple(zip(r[docs].tolist(), r[docs + 1].tolist())))
+        self.rows: tuple[tuple[tuple[int, int], ...], ...] = tuple(rows)
         self._derived: OrderedDict[Any, Any] = OrderedDict()
 
     @property
@@ -93,23 +98,29 @@ def cp_degree(local_len: int, seq_len: int) -> int:
     return -(-seq_len // local_len)
 
 
-def validate_bounds(bounds: list[list[int]], seq_len: int) -> None:
+def validate_bounds(bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int) -> None:
     """Raise ValueError naming the first row and rule that ``cu_seqlens`` breaks."""
     if seq_len > INT32_MAX:  # an int64 cu_seqlens may say so; kernels take 32-bit offsets
         raise ValueError(f"cu_seqlens rows end at {seq_len}, past 2**31 - 1 (kernels take 32-bit offsets)")
     for b, row in enumerate(bounds):
-        if row[0] != 0:
-            raise ValueError(f"cu_seqlens[{b}] must start at 0, got {row[0]}")
-        for j in range(1, len(row)):
-            if row[j] < row[j - 1]:
-                raise ValueError(
-                    f"cu_seqlens[{b}] must be non-decreasing, but entry {j} ({row[j]}) < entry {j - 1} ({row[j - 1]})"
-                )
-            if row[j] > seq_len:
-                raise ValueError(f"cu_seqlens[{b}] entry {j} is {row[j]}, past the sequence length {seq_len}")
-        if row[-1] != seq_len:
+        r = np.asarray(row, dtype=np.int64)
+        if r[0] != 0:
+            raise ValueError(f"cu_seqlens[{b}] must start at 0, got {int(r[0])}")
+        # the first entry that breaks either rule; a decrease is named before "past" at one entry
+        decreasing = np.flatnonzero(r[1:] < r[:-1])
+        past = np.flatnonzero(r[1:] > seq_len)
+        j_dec = int(decreasing[0]) + 1 if decreasing.size else len(r)
+        j_past = int(past[0]) + 1 if past.size else len(r)
+        if j_dec <= j_past and j_dec < len(r):
             raise ValueError(
-                f"cu_seqlens[{b}] must end at the sequence length {seq_len} (unused slots repeat it), got {row[-1]}"
+                f"cu_seqlens[{b}] must be non-decreasing, but entry {j_dec} ({int(r[j_dec])}) < entry "
+                f"{j_dec - 1} ({int(r[j_dec - 1])})"
+            )
+        if j_past < len(r):
+            raise ValueError(f"cu_seqlens[{b}] entry {j_past} is {int(r[j_past])}, past the sequence length {seq_len}")
+        if r[-1] != seq_len:
+            raise ValueError(
+                f"cu_seqlens[{b}] must end at the sequence length {seq_len} (unused slots repeat it), got {int(r[-1])}"
             )
 
 
@@ -146,11 +157,11 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
     if layout is not None:
         _layouts.move_to_end(key)
         return layout
-    bounds = host.to(torch.int64).tolist()
+    bounds = host.numpy().astype(np.int64)  # NumPy, not torch ops: no intra-op pool per layout
     validate_bounds(bounds, seq_len)
     layout = None
     if host.dtype != torch.int32:  # valid values fit int32: share the int32 twin's layout
-        twin = _values_key(host.to(torch.int32), seq_len)
+        twin = (torch.int32, tuple(host.shape), seq_len, bounds.astype(np.int32).tobytes())
         layout = _layouts.get(twin)
         if layout is None:
             layout = DocLayout(bounds, seq_len)

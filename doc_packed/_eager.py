@@ -33,6 +33,10 @@ def takes_eager_path(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# the position of sinks in ``args`` (attn_fwd's arguments after cu_seqlens), from the op's one list
+_SINKS = ops.FWD_ARGS.index("sinks") - ops.FWD_ARGS.index("cu_seqlens") - 1
+
+
 class _Attention(torch.autograd.Function):
     """``attn_fwd`` and its gradient rule without the dispatcher (real tensors, eager only)."""
 
@@ -62,8 +66,8 @@ def _grad_args(ctx, dout, dlse) -> tuple:
 def attention(q, k, v, cu_seqlens, *args, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``doc_packed::attn_fwd(q, k, v, cu_seqlens, *args)`` with autograd: ``(out, lse)``.
     ``need_lse=False``: the caller drops lse, which may then be None (no graph, FA4)."""
-    # a plain call passes 9 arguments after cu_seqlens; variants add (softcap, sinks, prefix_lens)
-    if not takes_eager_path(q, k, v, cu_seqlens, *(a for a in args[10:] if a is not None)):
+    # the optional tensors (sinks, prefix_lens: the last arguments) decide the path as q, k, v do
+    if not takes_eager_path(q, k, v, cu_seqlens, *(a for a in args[_SINKS:] if a is not None)):
         return torch.ops.doc_packed.attn_fwd(q, k, v, cu_seqlens, *args)
     if _compat.profiler_enabled():  # traces name the call as they name the op
         with torch.profiler.record_function("doc_packed::attn_fwd"):
@@ -72,7 +76,7 @@ def attention(q, k, v, cu_seqlens, *args, need_lse: bool = True) -> tuple[torch.
 
 
 def _run(q, k, v, cu_seqlens, args, need_lse):
-    sinks = args[10] if len(args) > 10 else None
+    sinks = args[_SINKS] if len(args) > _SINKS else None
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):

@@ -18,6 +18,7 @@ from ._checks import (
     check_scale,
     check_variants,
     check_window,
+    cp_layout_error,
     describe,
 )
 from ._doc_layout import get_layout
@@ -305,23 +306,17 @@ def attention(
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)
         if variant and is_dtensor(q):  # plain sinks / prefix_lens beside DTensors: replicated
             variant = (variant[0], *(None if t is None else _as_dtensor_like(q, t) for t in variant[1:]))
-    out, lse = _eager.attention(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        seq_len,
-        causal,
-        left,
-        right,
-        scale,
-        backend,
-        group_name,
-        doc_len,
-        cp_dim,
-        *variant,
-        need_lse=return_lse,
-    )
+    call = (q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim, *variant)
+    if group_name is None or torch.compiler.is_compiling():
+        out, lse = _eager.attention(*call, need_lse=return_lse)
+    else:
+        try:
+            out, lse = _eager.attention(*call, need_lse=return_lse)
+        except ValueError as err:  # a rank's own chunk of cu_seqlens: say that it is global
+            better = cp_layout_error(err, seq_len, _group_size(group_name))
+            if better is err:
+                raise
+            raise better from None
     result = (out, lse) if return_lse else (out,)
     if return_max_logits:
         cap = variant[0] if variant else 0.0

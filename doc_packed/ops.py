@@ -25,6 +25,7 @@ A gradient flowing into ``lse`` (when the caller uses it) is handled by composin
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -35,6 +36,7 @@ from .kernels import lse_dtype
 
 __all__ = [
     "BWD_ARGS",
+    "Call",
     "FWD_ARGS",
     "MAX_ARGS",
     "arg_index",
@@ -68,6 +70,29 @@ _SHARED: tuple[tuple[str, str, str | None], ...] = (
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
 BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
+
+
+class Call(NamedTuple):
+    """The arguments both ops take after their tensors, by name (``_SHARED``'s order, so
+    ``op(q, k, v, *call)`` passes them back positionally). Built once per call from the op's
+    arguments and handed down whole: to the context-parallel runtime and the gradient rules."""
+
+    cu_seqlens: torch.Tensor
+    seq_len: int
+    causal: bool
+    window_left: int
+    window_right: int
+    scale: float
+    backend: str
+    cp_group: str | None
+    planning_doc_len: int = 0  # planning_doc_len, planning_cp_dim: for cost estimates only
+    planning_cp_dim: str | None = None
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+
+
+assert Call._fields == tuple(n for n, _, _ in _SHARED), "Call and the schema list the same arguments"
 
 
 def _schema(tensors: tuple[str, ...], outputs: int) -> str:
@@ -116,10 +141,17 @@ def local_spec(
 
 
 def _local_problem(cu_seqlens, seq_len, causal, left, right, prefix_lens=None) -> kernels.VarlenSpec:
+    """The kernels' problem of a local call: its layout's, memoised on the layout."""
     layout = get_layout(cu_seqlens, seq_len)
     prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
     return layout.derived(
         ("local_spec", causal, left, right, prefixes), lambda: local_spec(layout, causal, left, right, prefixes)
+    )
+
+
+def _call_problem(call: Call) -> kernels.VarlenSpec:
+    return _local_problem(
+        call.cu_seqlens, call.seq_len, call.causal, call.window_left, call.window_right, call.prefix_lens
     )
 
 
@@ -151,70 +183,38 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, 1)  # a view where the strides allow ([B, S] mergeable), else one copy
 
 
-def forward_impl(*args) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_impl(q, k, v, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``attn_fwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`)."""
-    out, lse = _forward(*args)
+    out, lse = _forward(q, k, v, Call(*args))
     assert lse is not None
     return out, lse
 
 
-def forward_out(*args) -> torch.Tensor:
+def forward_out(q, k, v, *args) -> torch.Tensor:
     """:func:`forward_impl`'s output alone, for eager calls that keep neither lse nor a graph: a
     backend that can skip writing lse does (FA4)."""
-    return _forward(*args, need_lse=False)[0]
+    return _forward(q, k, v, Call(*args), need_lse=False)[0]
 
 
-def _forward(
-    q,
-    k,
-    v,
-    cu_seqlens,
-    seq_len,
-    causal,
-    window_left,
-    window_right,
-    scale,
-    backend,
-    cp_group,
-    planning_doc_len=0,
-    planning_cp_dim=None,
-    softcap=0.0,
-    sinks=None,
-    prefix_lens=None,
-    *,
-    need_lse=True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # planning_doc_len, planning_cp_dim: for cost estimates only (see the schema)
-    if cp_group is not None:
+def _forward(q, k, v, call: Call, *, need_lse=True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if call.cp_group is not None:
         from .cp import attention as cp_attention
 
         d, dv = q.shape[-1], v.shape[-1]
         w = max(d, dv)  # the exchange moves K and V in one buffer: one head dim, zero-padded
-        out, lse = cp_attention.forward(
-            _pad_dim(q, w),
-            _pad_dim(k, w),
-            _pad_dim(v, w),
-            cu_seqlens,
-            seq_len,
-            causal,
-            window_left,
-            window_right,
-            scale,
-            backend,
-            cp_group,
-            softcap,
-            prefix_lens,
-        )
+        out, lse = cp_attention.forward(_pad_dim(q, w), _pad_dim(k, w), _pad_dim(v, w), call)
         if dv < w:
             out = out[..., :dv].contiguous()
-        if sinks is not None:  # once per query, after the merge over stages and ranks
-            out, lse = add_sinks(out, lse, sinks)
+        if call.sinks is not None:  # once per query, after the merge over stages and ranks
+            out, lse = add_sinks(out, lse, call.sinks)
     else:
         B, S, Hq, D = q.shape
-        if S != seq_len:
-            _check_local(q, seq_len)
-        spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
-        out, lse = kernels.forward(spec, _flat(q), _flat(k), _flat(v), scale, backend, softcap, sinks, need_lse)
+        if S != call.seq_len:
+            _check_local(q, call.seq_len)
+        spec = _call_problem(call)
+        out, lse = kernels.forward(
+            spec, _flat(q), _flat(k), _flat(v), call.scale, call.backend, call.softcap, call.sinks, need_lse
+        )
         # contiguous, as the fake kernel promises (flex's out is a transposed view of [H, T, D])
         out = out.view(B, S, Hq, v.shape[-1]).contiguous()
         if lse is not None:
@@ -222,60 +222,25 @@ def _forward(
     return out, lse
 
 
-def backward_impl(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens,
-    seq_len,
-    causal,
-    window_left,
-    window_right,
-    scale,
-    backend,
-    cp_group,
-    planning_doc_len=0,
-    planning_cp_dim=None,
-    softcap=0.0,
-    sinks=None,
-    prefix_lens=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward_impl(dout, q, k, v, out, lse, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What ``attn_bwd`` runs on real tensors (also called directly by :mod:`doc_packed._eager`).
     ``lse`` includes the sink terms, so the kernels need nothing else for sinks; their gradient
     is :func:`input_grads`'s."""
-    if cp_group is not None:
+    call = Call(*args)
+    if call.cp_group is not None:
         from .cp import attention as cp_attention
 
         d, dv = q.shape[-1], v.shape[-1]
         w = max(d, dv)
-        dq, dk, dv_ = cp_attention.backward(
-            _pad_dim(dout, w),
-            _pad_dim(q, w),
-            _pad_dim(k, w),
-            _pad_dim(v, w),
-            _pad_dim(out, w),
-            lse,
-            cu_seqlens,
-            seq_len,
-            causal,
-            window_left,
-            window_right,
-            scale,
-            backend,
-            cp_group,
-            softcap,
-            prefix_lens,
-        )
+        dout, q, k, v, out = (_pad_dim(x, w) for x in (dout, q, k, v, out))
+        dq, dk, dv_ = cp_attention.backward(dout, q, k, v, out, lse, call)
         if w == d == dv:
             return dq, dk, dv_
         return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv_[..., :dv].contiguous()
     B, S, Hq, D = q.shape
-    if S != seq_len:
-        _check_local(q, seq_len)
-    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
+    if S != call.seq_len:
+        _check_local(q, call.seq_len)
+    spec = _call_problem(call)
     lse_flat = lse.transpose(0, 1).reshape(Hq, B * S) if B > 1 else lse[0]
     dq, dk, dv = kernels.backward(
         spec,
@@ -285,9 +250,9 @@ def backward_impl(
         _flat(v),
         _flat(out.contiguous()),
         lse_flat,
-        scale,
-        backend,
-        softcap,
+        call.scale,
+        call.backend,
+        call.softcap,
     )
     return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
 
@@ -330,36 +295,36 @@ def input_grads(saved, args: tuple, dout, dlse, fwd, bwd) -> tuple:
     ``fwd``/``bwd`` the forward and backward to call: the custom ops, or their implementations
     on the eager path. ``dsinks`` is None without sinks."""
     q, k, v, cu_seqlens, out, lse = saved
+    call = Call(cu_seqlens, *args)
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *args)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *call)
     if dlse is not None:
         # d lse_i / d s_ij = p_ij, so the lse gradient adds p_ij * dlse_i to dS:
         #   dq_i += scale * dlse_i * sum_j p_ij k_j     (attention with values := keys)
         #   dk_j += scale * sum_i p_ij dlse_i q_i        (the dV slot of a backward whose
         #                                                 output gradient is scale*dlse*q)
-        if _arg(args, "softcap", 0.0):
+        if call.softcap:
             # through a cap dS_ij = p_ij dlse_i (1 - tanh_ij^2) has a per-pair slope, which the
             # two passes below cannot express: two backwards do (see _capped_lse_grads)
-            dq2, dk2 = _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd)
-            return dq + dq2, dk + dk2, dv, _sink_grad(args, dout, out, lse, dlse)
-        scale = args[FWD_ARGS.index("scale") - 4]
+            dq2, dk2 = _capped_lse_grads(q, k, lse, dlse, call, bwd)
+            return dq + dq2, dk + dk2, dv, _sink_grad(call, dout, out, lse, dlse)
         w = dlse.to(lse_dtype(q.dtype)).transpose(1, 2)
         w = w[..., None]  # [B, S, Hq, 1]
-        pk, _ = fwd(q, k, k, cu_seqlens, *args)
-        dq = dq + (scale * w * pk.to(w.dtype)).to(dq.dtype)
-        g = (scale * w * q.to(w.dtype)).to(q.dtype)
+        pk, _ = fwd(q, k, k, *call)
+        dq = dq + (call.scale * w * pk.to(w.dtype)).to(dq.dtype)
+        g = (call.scale * w * q.to(w.dtype)).to(q.dtype)
         # only the dV slot is used: any out of g's shape serves (v's head dim may differ)
         out_g = out if out.shape == g.shape else torch.zeros_like(g)
-        _, _, dk_extra = bwd(g, q, k, k, out_g, lse, cu_seqlens, *args)
+        _, _, dk_extra = bwd(g, q, k, k, out_g, lse, *call)
         dk = dk + dk_extra
-    return dq, dk, dv, _sink_grad(args, dout, out, lse, dlse)
+    return dq, dk, dv, _sink_grad(call, dout, out, lse, dlse)
 
 
-def _sink_grad(args, dout, out, lse, dlse):
+def _sink_grad(call: Call, dout, out, lse, dlse):
     """``dsinks`` (None without sinks): ``d out_i / d sink = -p_sink_i out_i`` and
     ``d lse_i / d sink = p_sink_i``, with ``p_sink_i = exp(sink - lse_i)``."""
-    sinks = _arg(args, "sinks", None)
+    sinks = call.sinks
     if sinks is None:
         return None
     acc = lse.dtype
@@ -370,7 +335,7 @@ def _sink_grad(args, dout, out, lse, dlse):
     return (p_sink * g).sum((0, 2)).to(sinks.dtype)
 
 
-def _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd):
+def _capped_lse_grads(q, k, lse, dlse, call: Call, bwd):
     """``(dq, dk)`` of ``sum_i dlse_i lse_i`` under softcapping, where ``dS_ij = p_ij dlse_i
     (1 - tanh_ij^2)`` (the cap's slope per pair), from two ordinary backwards.
 
@@ -382,7 +347,7 @@ def _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd):
     so ``dS(a) = P dlse slope (a - m a^2)``; ``2 dS(1) - dS(2) / 2 = P dlse slope`` exactly."""
     acc = lse.dtype
     w = dlse.to(acc)
-    sinks = _arg(args, "sinks", None)
+    sinks = call.sinks
     mass = -torch.expm1(sinks.to(acc)[None, :, None] - lse) if sinks is not None else torch.ones_like(lse)
     unit = torch.cat([torch.ones_like(k[..., :1]), torch.zeros_like(k[..., 1:])], -1)
     rest = torch.zeros_like(q[..., 1:])
@@ -390,17 +355,10 @@ def _capped_lse_grads(q, k, cu_seqlens, lse, dlse, args, bwd):
     parts = []
     for a in (1.0, 2.0):
         o = torch.cat([(mass * a).transpose(1, 2)[..., None].to(q.dtype), rest], -1)
-        dq_a, dk_a, _ = bwd(g, q, k, unit, o, lse - math.log(a), cu_seqlens, *args)
+        dq_a, dk_a, _ = bwd(g, q, k, unit, o, lse - math.log(a), *call)
         parts.append((dq_a.to(acc), dk_a.to(acc)))
     (dq1, dk1), (dq2, dk2) = parts
     return (2 * dq1 - 0.5 * dq2).to(q.dtype), (2 * dk1 - 0.5 * dk2).to(k.dtype)
-
-
-def _arg(args: tuple, name: str, default):
-    """Argument ``name`` of the op's arguments after ``cu_seqlens`` (trailing defaults may be
-    left out: a plain call passes no variant arguments)."""
-    i = FWD_ARGS.index(name) - 4
-    return args[i] if len(args) > i else default
 
 
 def autograd_outputs(grads: tuple) -> tuple:

@@ -12,8 +12,10 @@ used and why; ``--eager`` skips compilation). The report gives the layout, the c
 and parameter parity and time; when attention is sequence-sharded, the plan's per-rank attention
 work (query-key pairs) and K/V traffic against all-gather; with ``--free``, when AutoParallel
 chooses another layout, its estimate for each layout it considered and the row length from which
-the sequence placement would win by our cost formulas. ``--out DIR`` writes the context-parallel
-figures as PNGs (needs matplotlib).
+the sequence placement would win by our cost formulas. Without AutoParallel the report gives
+the step model's estimate of each layout instead (no solver: no redistribution). ``--out DIR``
+writes the figures as PNGs (needs matplotlib): the chosen layout's estimate (kernel, exchange,
+redistribution) against the alternatives, and the context-parallel plan's work and traffic.
 
 The report is a list of sections (:data:`SECTIONS`), each a function of the run's
 :class:`Result` returning its lines: a new figure is one more function.
@@ -109,6 +111,10 @@ class Placed:
     break_even: str = ""  # --free, not sequence-sharded: where the sequence placement would win
     strategies: list[str] = dataclasses.field(default_factory=list)  # describe_attention's report lines
     skipped: str = ""  # without AutoParallel: why, and what the run left out
+    # per role ("forward", "backward"), one layer's attention: each layout's estimate (the chosen
+    # one first) as shardings.autoparallel.Alternative, and where the estimates come from
+    breakdown: dict[str, list] = dataclasses.field(default_factory=dict)
+    breakdown_from: str = ""
 
 
 def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
@@ -173,7 +179,12 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     how = "chosen by AutoParallel" if args.free else "pinned; the rest placed by AutoParallel"
     compiled, choice = compile_placed(parallel, "eager" if args.eager else "auto")
     strategies = attention_report_lines(choices)[1:-1]  # the nodes' lines (the header is the section's)
-    return Placed(compiled, f"{words} ({how})", str(choice), sequence, considered, break_even, strategies)
+    breakdown: dict[str, list] = {}
+    for c in choices:  # the first node of each role: one layer
+        breakdown.setdefault(c.role, c.alternatives)
+    placed = Placed(compiled, f"{words} ({how})", str(choice), sequence, considered, break_even, strategies)
+    placed.breakdown, placed.breakdown_from = breakdown, "AutoParallel's estimates (the step model's H200 rates)"
+    return placed
 
 
 def _considered(choices) -> list[str]:
@@ -231,6 +242,24 @@ def _manual_cp_model(args, init, why_not: str | None = None) -> Placed:
     return Placed(torch.compile(model, fullgraph=True), layout, "inductor: torch.compile", True, skipped=skipped)
 
 
+def _step_model_breakdown(args, mesh, cu_seqlens: torch.Tensor) -> dict[str, list]:
+    """Without a solver: the step model's estimate of one layer's attention call in each layout
+    the mesh dim offers, the manual placement's (sequence) first (redistribution not priced)."""
+    from shardings.autoparallel import layout_alternatives
+    from shardings.costs import pricing
+
+    heads = MODEL["n_heads"]
+    shape = dict(
+        rows=args.batch, seq_len=args.seq, q_heads=heads, kv_heads=MODEL["n_kv_heads"],
+        head_dim=MODEL["dim"] // heads, dtype=torch.float64, doc_len=args.mean_doc,
+    )  # fmt: skip
+    with pricing(mesh, gpus_per_host=mesh.size(), cu_seqlens=cu_seqlens):
+        return {
+            role: layout_alternatives(mesh, 0, "sequence", backward=role == "backward", **shape)
+            for role in ("forward", "backward")
+        }
+
+
 def rank_main(rank: int, world: int, port: int, args):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -258,6 +287,9 @@ def rank_main(rank: int, world: int, port: int, args):
         placed = (
             _autoparallel_model(args, mesh, batches, init, say) if use_ap else _manual_cp_model(args, init, why_not)
         )
+        if not use_ap:
+            placed.breakdown = _step_model_breakdown(args, mesh, batches[0][2])
+            placed.breakdown_from = "the step model alone (H200 rates; no solver, so no redistribution)"
         t_plan = time.perf_counter() - t1
         model = placed.model
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -351,13 +383,21 @@ def _setup(r: Result) -> list[str]:
 
 
 def _strategies(r: Result) -> list[str]:
-    """AutoParallel's choice per attention node (describe_attention), or what was skipped."""
-    if r.placed.skipped:
-        return [_row("skipped", r.placed.skipped)]
-    if not r.placed.strategies:
-        return []
-    return [_row("strategies", "per attention node: chosen layout, best alternatives (ms per call), why"), *(
-        _row("", line) for line in r.placed.strategies)]  # fmt: skip
+    """AutoParallel's choice per attention node (describe_attention), or what was skipped and
+    the step model's estimates instead."""
+    lines = [_row("skipped", r.placed.skipped)] if r.placed.skipped else []
+    if r.placed.strategies:
+        return [_row("strategies", "per attention node: chosen layout, best alternatives (ms per call), why"), *(
+            _row("", line) for line in r.placed.strategies)]  # fmt: skip
+    if r.placed.breakdown:
+        lines.append(_row("step model", f"one layer's attention per call, by {r.placed.breakdown_from}:"))
+        for role, alts in r.placed.breakdown.items():
+            for a in alts:
+                where = ", ".join(f"{k}: {v}" for k, v in a.layout.items())
+                mark = "  <- this run" if a.chosen else ""
+                cost = f"kernel {a.kernel_ms:.3f} + exchange {a.exchange_ms:.3f} = {a.total_ms:.3f} ms"
+                lines.append(_row("", f"{role:<8} {where:<14} {cost}{mark}"))
+    return lines
 
 
 def _free_choice(r: Result) -> list[str]:
@@ -430,11 +470,46 @@ def report(r: Result) -> list[str]:
     return lines
 
 
+_PARTS = (("kernel", "tab:blue"), ("exchange", "tab:orange"), ("redistribution", "tab:gray"))
+
+
+def strategy_figure(breakdown: dict[str, list], source: str):
+    """One layer's attention per role: for each layout considered (the chosen one first), its
+    estimate in ms as stacked bars of kernel, context-parallel exchange and redistribution
+    (:meth:`shardings.autoparallel.Alternative.parts`). Returns the matplotlib figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = list(breakdown)
+    fig, axes = plt.subplots(1, len(roles), figsize=(4.2 * len(roles), 3.6), squeeze=False)
+    for ax, role in zip(axes[0], roles):
+        alts = breakdown[role]
+        xs = list(range(len(alts)))
+        bottom = [0.0] * len(alts)
+        for part, color in _PARTS:
+            heights = [a.parts()[part] for a in alts]
+            ax.bar(xs, heights, 0.6, bottom=bottom, label=part, color=color)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(xs)
+        labels = [", ".join(f"{k}: {v}" for k, v in a.layout.items()) for a in alts]
+        ax.set_xticklabels([f"{w}\n(chosen)" if a.chosen else w for w, a in zip(labels, alts)])
+        ax.set(ylabel="ms per call", title=f"{role}, one layer")
+        ax.set_ylim(top=1.3 * max(bottom, default=0.0) or 1.0)
+        ax.legend(loc="upper right", fontsize="small")
+    fig.suptitle(f"attention layouts: {source}", fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(r: Result, out: str) -> str:
-    """Per-rank attention work and K/V traffic (planned vs all-gather) as PNGs under ``out``;
-    returns a line saying what was written, or why nothing was."""
-    if not r.placed.sequence_sharded:
-        return f"plots: none written to {out} (attention is not sequence-sharded)"
+    """The figures of this run as PNGs under ``out``: the strategy breakdown
+    (:func:`strategy_figure`, ``strategies.png``), and when attention is sequence-sharded the
+    plan's per-rank attention work and K/V traffic (planned vs all-gather). Returns a line
+    saying what was written, or why nothing was."""
+    if not r.placed.sequence_sharded and not r.placed.breakdown:
+        return f"plots: none written to {out} (attention is not sequence-sharded and no layouts were priced)"
     try:
         import matplotlib
 
@@ -443,8 +518,15 @@ def write_plots(r: Result, out: str) -> str:
     except ImportError:
         return "plots: matplotlib is not installed (pip install matplotlib); text report only"
     os.makedirs(out, exist_ok=True)
-    p, ranks = r.plans[0], list(range(r.world))
     written = []
+    if r.placed.breakdown:
+        fig = strategy_figure(r.placed.breakdown, r.placed.breakdown_from)
+        written.append(os.path.join(out, "strategies.png"))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    if not r.placed.sequence_sharded:
+        return "plots: " + ", ".join(written) + " (no context-parallel figures: attention is not sequence-sharded)"
+    p, ranks = r.plans[0], list(range(r.world))
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(ranks, p.work, color="tab:blue")
     ax.axhline(sum(p.work) / r.world, color="black", linestyle="--", label="mean")
@@ -498,7 +580,12 @@ def main(argv: list[str] | None = None) -> None:
         "layout it considered and, if it does not shard the sequence, where that would start to pay",
     )
     ap.add_argument("--eager", action="store_true", help="run the placed model uncompiled (debugging)")
-    ap.add_argument("--out", metavar="DIR", help="write the context-parallel figures as PNGs here (needs matplotlib)")
+    ap.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write the figures as PNGs here (needs matplotlib): each attention layout's estimate, kernel + "
+        "exchange + redistribution, against the chosen one; and the context-parallel plan's work and traffic",
+    )
     args = ap.parse_args(argv)
     if args.seq % args.ranks:
         sys.exit(f"--seq {args.seq} must be divisible by --ranks {args.ranks}")

@@ -28,7 +28,7 @@ from doc_packed.ops import arg_index
 from ._ap_compat import chosen_decisions, strategy_costs, topology_config
 from ._compat import trace_artifact, unset_fake_temporarily
 from .costs import Pricing, active_pricing, call_us
-from .step_model import Layout, Rates, exchange_bytes, plan_for
+from .step_model import AttentionCost, Layout, Rates, exchange_bytes, plan_for
 from .strategies import kind_of
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "attention_report_json",
     "attention_report_lines",
     "attention_time_us",
+    "layout_alternatives",
     "sequence_break_even",
     "BreakEven",
     "cost_model_for",
@@ -336,8 +337,9 @@ def describe_attention(
                 import doc_packed
 
                 with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
+                    # the plan the runtime will run (row-priced: its pairs need not be even)
                     plan = doc_packed.plan_context_parallel(
-                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv, row_cost=None
+                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
                     )
                 rows_per_plan = 1
             else:
@@ -390,6 +392,45 @@ def attention_report_lines(choices: list[AttentionChoice]) -> list[str]:
     return lines
 
 
+def _call_cost(
+    mesh,
+    dim: int,
+    kind: str,
+    *,
+    rows: int,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    doc_len: int = 0,
+    backward: bool = False,
+) -> AttentionCost:
+    """:func:`attention_time_us`'s cost, split into compute and exchange."""
+    m = mesh.size(dim)
+    shape = [rows, seq_len, q_heads, head_dim]
+    kv = kv_heads
+    if kind == "batch":
+        shape[0] = -(-rows // m)
+    elif kind == "heads":
+        shape[2], kv = -(-q_heads // m), -(-kv_heads // m)
+    elif kind == "sequence":
+        shape[1] = -(-seq_len // m)
+    elif kind != "replicate":
+        raise ValueError(f"kind must be 'replicate', 'batch', 'heads' or 'sequence', got {kind!r}")
+    p = active_pricing()
+    if p is None or p.mesh is not mesh:
+        p = Pricing(mesh, p.rates if p is not None else Rates.load())
+    names = mesh.mesh_dim_names
+    left, right = window_size
+    right = 0 if causal else right
+    return call_us(
+        p, tuple(shape), kv, seq_len, causal, left, right, dtype, backward, doc_len, names[dim] if names else None
+    )
+
+
 def attention_time_us(
     mesh,
     dim: int,
@@ -412,27 +453,49 @@ def attention_time_us(
     and for ``"sequence"`` the plan's imbalance and the exchange on that dim's links. Priced
     under the active :func:`shardings.costs.pricing` (its rates, hosts and layout), else the
     default rates on 8-GPU hosts."""
+    return _call_cost(
+        mesh, dim, kind, rows=rows, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        dtype=dtype, causal=causal, window_size=window_size, doc_len=doc_len, backward=backward,
+    ).total  # fmt: skip
+
+
+def layout_alternatives(
+    mesh,
+    dim: int,
+    chosen: str,
+    *,
+    rows: int,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    doc_len: int = 0,
+    backward: bool = False,
+) -> list[Alternative]:
+    """Without a solver: the step model's estimate of one attention call for each layout mesh dim
+    ``dim`` can take at these sizes (:func:`~shardings.strategies.offered_kinds`, the sequence
+    also on uneven chunks; the other dims replicate), ``chosen`` first, then the others cheapest
+    first. Each is an :class:`Alternative` priced as :func:`attention_time_us` prices it (same
+    keywords), its kernel and context-parallel exchange apart; ``comm_ms`` (redistribution) is
+    0: only a solver prices the edges around the call."""
+    from .strategies import offered_kinds
+
     m = mesh.size(dim)
-    shape = [rows, seq_len, q_heads, head_dim]
-    kv = kv_heads
-    if kind == "batch":
-        shape[0] = -(-rows // m)
-    elif kind == "heads":
-        shape[2], kv = -(-q_heads // m), -(-kv_heads // m)
-    elif kind == "sequence":
-        shape[1] = -(-seq_len // m)
-    elif kind != "replicate":
-        raise ValueError(f"kind must be 'replicate', 'batch', 'heads' or 'sequence', got {kind!r}")
-    p = active_pricing()
-    if p is None or p.mesh is not mesh:
-        p = Pricing(mesh, p.rates if p is not None else Rates.load())
-    names = mesh.mesh_dim_names
-    left, right = window_size
-    right = 0 if causal else right
-    cost = call_us(
-        p, tuple(shape), kv, seq_len, causal, left, right, dtype, backward, doc_len, names[dim] if names else None
-    )
-    return cost.total
+    kinds = [k for (k,) in offered_kinds((m,), rows, seq_len, q_heads, kv_heads, uneven_sequence_dims=(0,))]
+    if chosen not in kinds:
+        raise ValueError(f"chosen={chosen!r} is not a layout offered on a mesh dim of {m} at these sizes: {kinds}")
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    alts = []
+    for kind in kinds:
+        cost = _call_cost(
+            mesh, dim, kind, rows=rows, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+            dtype=dtype, causal=causal, window_size=window_size, doc_len=doc_len, backward=backward,
+        )  # fmt: skip
+        alts.append(Alternative({names[dim]: kind}, cost.total / 1e3, 0.0, kind == chosen, cost.exchange / 1e3))
+    return sorted(alts, key=lambda a: (not a.chosen, a.total_ms))
 
 
 @dataclass(frozen=True)

@@ -454,14 +454,18 @@ def price_placement(
     topology: Topology = Topology(),
     layout: Layout = Layout(),
     backend: str | None = None,
+    fused: bool = False,
 ) -> StepEstimate:
     """Predicted time of one training step of a solved placement (``placement``: AutoParallel's
     ``optimize_placement()`` result, node -> strategy; ``graph_nodes``: its joint graph's nodes,
     ``autop.gm.graph.nodes``), on the device ``rates`` describes, ``topology``'s hosts, the
-    documents of ``layout``. Every op runs at its local shapes; see the module docstring."""
+    documents of ``layout``. Every op runs at its local shapes; see the module docstring.
+    ``fused``: the module runs compiled (``compile_placed``), so the ops that are neither matmuls,
+    attention nor collectives run fused (:func:`_fused_other_us`), not one kernel each."""
     rates = rates or Rates.load()
     est = StepEstimate()
     mesh = None
+    others: dict = {}  # node -> its strategy, for the ops priced by bytes when fused
     for node in graph_nodes:
         spec = placement.get(node)
         if spec is None or node.op != "call_function":
@@ -487,6 +491,8 @@ def price_placement(
                 m, k = (math.prod(shapes[0][:-1]), shapes[0][-1]) if shapes and shapes[0] else (1, 1)
                 n = max(f // max(2 * m * k, 1), 1)
                 est.matmul_us += f / (rates.matmul_tflops(m, n, k) * 1e6)
+            elif fused:
+                others[node] = spec
             else:
                 moved = sum(_nbytes(s) for s in in_specs + out_specs)
                 est.other_us += max(moved / (rates.data["hbm_gbps"] * 1e3), rates.data.get("op_floor_us", 0))
@@ -505,9 +511,63 @@ def price_placement(
                 est.comm_us += us
                 for kd in kinds:
                     est.by_collective[kd] = est.by_collective.get(kd, 0.0) + us / len(kinds)
+    if others:
+        est.other_us += _fused_other_us(others, placement, rates)
     if mesh is not None:
         est.world = mesh.size()
     return est
+
+
+def _transparent(node) -> bool:
+    """A node that moves no bytes: a view, or the getitem of a multi-output op's result."""
+    return node.target is operator.getitem or getattr(node.target, "is_view", None) is True
+
+
+def _fused_other_us(others: dict, placement: dict, rates: Rates) -> float:
+    """The byte-priced ops as a compiler runs them: every connected region of them (through
+    views) is one fused kernel that reads what enters the region once and writes what leaves it
+    once, at the memory bandwidth, plus one launch floor per region. The bound of perfect
+    fusion: Inductor splits some regions (reductions, layout changes), so this is a lower bound
+    on the other ops' time, where pricing each op alone is an upper bound."""
+    parent = {n: n for n in others}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def producer(x):  # through views to the op that wrote the bytes
+        while x not in others and _transparent(x) and x.all_input_nodes:
+            x = x.all_input_nodes[0]
+        return x
+
+    def consumers(x):  # through views to the ops that read the bytes
+        for u in x.users:
+            if _transparent(u):
+                yield from consumers(u)
+            else:
+                yield u
+
+    inputs = {n: _input_nodes(n, placement) for n in others}
+    for n, ins in inputs.items():
+        for x in ins:
+            p = producer(x)
+            if p in others:
+                parent[find(p)] = find(n)
+    moved: dict = {}
+    for n, spec in others.items():
+        region = find(n)
+        in_specs = _specs(spec.input_specs)
+        for x, s in zip(inputs[n], in_specs):  # what enters the region
+            p = producer(x)
+            if p not in others or find(p) is not region:
+                moved[region] = moved.get(region, 0) + _nbytes(s)
+        if any(u not in others or find(u) is not region for u in consumers(n)) or not n.users:
+            moved[region] = moved.get(region, 0) + sum(_nbytes(s) for s in _specs(spec.output_specs))
+    floor = rates.data.get("op_floor_us", 0)
+    regions = {find(n) for n in others}
+    return sum(max(moved.get(r, 0) / (rates.data["hbm_gbps"] * 1e3), floor) for r in regions)
 
 
 def _price_attention(node, spec, rates, topology, layout, backend, est, backward: bool) -> None:

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 import doc_packed as dp
 from doc_packed import compat
+from doc_packed.compat import cute
 
 T, MAX_DOCS = 64, 16
 LAYOUTS = [[64], [10, 54], [5, 20, 39], [1, 1, 1, 61], [30, 30, 4], [4] * 16, [33, 31]]
@@ -88,6 +89,14 @@ def test_rows_entry_compiles_once():
 def test_compat_flash_compiles_once():
     def step(q, k, v, cu, m):
         return compat.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=True).square().sum()
+
+    assert _train(step, lambda n: _cu(n, pad_to=MAX_DOCS)) == 1
+
+
+def test_compat_fa4_compiles_once():
+    def step(q, k, v, cu, m):
+        out, lse = cute.flash_attn_varlen_func(q, k, v, None, cu, cu, m, m, causal=True, return_lse=True)
+        return out.square().sum() + lse.sum()
 
     assert _train(step, lambda n: _cu(n, pad_to=MAX_DOCS)) == 1
 

@@ -160,7 +160,9 @@ def test_row_prices_move_pairs_off_the_ranks_that_read_remote_keys(c):
     priced = dp.plan_context_parallel(cu, c, query_cost=4.0, row_cost=ROW_COST)
     for plan in (base, priced):
         rows = _extra_rows_by_hand(plan, cu, S, True, (-1, -1))
-        assert plan.priced(ROW_COST) == tuple(w + int(162 * q + 292 * k + 238 * m) for w, (q, k, m) in zip(plan.work, rows))
+        assert plan.priced(ROW_COST) == tuple(
+            w + int(162 * q + 292 * k + 238 * m) for w, (q, k, m) in zip(plan.work, rows)
+        )
     assert max(priced.priced(ROW_COST)) < max(base.priced(ROW_COST))
     assert sum(priced.work) == sum(base.work)  # the same problem, split differently
     extra = [p - w for p, w in zip(base.priced(ROW_COST), base.work)]
@@ -216,3 +218,66 @@ def test_plan_argument_errors():
         dp.plan_context_parallel(cu, 2, row_cost=RowCost(1.0, -2.0, 0.0))
     with pytest.raises(ValueError, match="must start at 0"):
         dp.plan_context_parallel(torch.tensor([[1, 64]], dtype=torch.int32), 2)
+
+
+def _realistic_layouts(n_per_case):
+    """Lognormal layouts of several sizes and document lengths, as ``DocLayout``s."""
+    from doc_packed._doc_layout import DocLayout
+
+    out = []
+    for B, S in ((4, 8192), (1, 32768), (2, 5000), (3, 97)):
+        for i in range(n_per_case):
+            rng = random.Random(hash((B, S, i)) & 0xFFFFFFF)
+            mean = rng.choice([16, 300, 2048, 9000])
+            cu = dp.cu_seqlens_from_lengths(
+                [lognormal_lengths(S, mean, rng) for _ in range(B)], S, max_docs=max(2, S // 8)
+            )
+            out.append(DocLayout(cu.tolist(), S))
+    return out
+
+
+def test_closed_form_causal_planner_cuts_where_bisection_does(monkeypatch):
+    """Causal training masks plan with square roots instead of bisection (the planner runs on
+    every new layout): the very same plans as the general planner, to the token."""
+    from doc_packed.cp import plan as cp_plan
+
+    layouts = _realistic_layouts(6)
+    for c in (2, 3, 8):
+        for qc in (1.0, 4.0):
+            fast = [cp_plan.build_plan(lay, c, True, -1, 0, query_cost=qc, row_cost=ROW_COST) for lay in layouts]
+            with monkeypatch.context() as m:
+                m.setattr(cp_plan, "_CausalPlanner", cp_plan._Planner)
+                slow = [cp_plan.build_plan(lay, c, True, -1, 0, query_cost=qc, row_cost=ROW_COST) for lay in layouts]
+            for a, b in zip(fast, slow):
+                assert (a.segments, a.work, a.extra_rows) == (b.segments, b.work, b.extra_rows)
+
+
+def test_replans_skipped_only_where_none_could_be_kept(monkeypatch):
+    """When the pairs-only plan's priced rows differ across ranks by less than the margin, the
+    row-priced re-plans are not run; running them anyway never gives another plan."""
+    from doc_packed.cp import plan as cp_plan
+
+    def always_replan(layout, c, qc):  # the planner before the skip: re-plan unless all equal
+        start = cp_plan._CausalPlanner(layout.rows, layout.seq_len, c, True, -1, 0, qc, cp_plan.TOLERANCE)
+        best = start.fresh([0] * c)
+        best.balance()
+        extra = best.priced_rows(ROW_COST)
+        best_max = max(w + x for w, x in zip(best.work(), extra)) * (1 - cp_plan._ROW_MARGIN)
+        if max(extra) > min(extra):
+            for step in cp_plan._ROW_STEPS:
+                cand = start.fresh([int(step * (e - min(extra))) for e in extra])
+                cand.balance()
+                priced = max(w + x for w, x in zip(cand.work(), cand.priced_rows(ROW_COST)))
+                if priced < best_max:
+                    best, best_max = cand, priced
+        return best.result((-1, 0), ROW_COST)
+
+    skipped = 0
+    for lay in _realistic_layouts(6):
+        for c in (2, 4, 8):
+            plan = cp_plan.build_plan(lay, c, True, -1, 0, query_cost=4.0, row_cost=ROW_COST)
+            ref = always_replan(lay, c, 4.0)
+            assert (plan.segments, plan.work) == (ref.segments, ref.work)
+            rows = [cp_plan._price(r, ROW_COST) for r in ref.extra_rows]
+            skipped += max(rows) - min(rows) <= cp_plan._ROW_MARGIN * max(w + x for w, x in zip(ref.work, rows))
+    assert skipped > 0, "no layout exercised the skip"

@@ -65,6 +65,25 @@ def test_varlen_context_parallel_hint_that_cu_seqlens_is_global(run_ranks):
         assert "under context parallelism cu_seqlens is global" in msg
 
 
+def _local_rows_of_cu(rank, world):
+    """The rows entry: each rank passes its own chunk's boundaries."""
+    q, k, v = (t[None] for t in _packed(8))
+    try:
+        dp.doc_packed_attn(q, k, v, torch.tensor([[0, 3, 8]], dtype=torch.int32), causal=True, cp_group=dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_rows_context_parallel_hint_that_cu_seqlens_is_global(run_ranks):
+    for msg in run_ranks(_local_rows_of_cu, 2):
+        assert msg == (
+            "cu_seqlens[0] must end at the sequence length 16 (2 ranks' chunks of q together) (unused slots repeat "
+            "it), got 8; under context parallelism cu_seqlens is global: every rank passes the whole sequence's "
+            "boundaries, not the part that falls in its own chunk"
+        )
+
+
 # ----------------------------------------------------------------------------- reports
 
 

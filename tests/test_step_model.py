@@ -188,3 +188,46 @@ def test_pricing_with_a_real_layout(monkeypatch):
     rate = RATES.attention_tflops(None, False, 8192 * 2 / 3, 8192)
     assert got.compute == pytest.approx(4 * pairs * 4 * 64 / (rate * 1e6) + RATES.data["attention_call_us"]["forward"])
     assert math.isfinite(got.total)
+
+
+def _priced_graph():
+    """A traced chain: three pointwise ops, a matmul, two more pointwise ops, as a one-device
+    placement (node -> strategy-like specs, every tensor replicated)."""
+    from torch.distributed.tensor import Replicate
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        c = ((x * 2) + 1).relu()
+        return (c @ w).sin().sum()
+
+    gm = make_fx(f)(torch.randn(256, 512), torch.randn(512, 512))
+    mesh = SimpleNamespace(shape=(1,), size=lambda: 1)
+
+    def spec(node):
+        val = node.meta["val"]
+        return SimpleNamespace(placements=(Replicate(),), mesh=mesh, tensor_meta=SimpleNamespace(shape=val.shape, dtype=val.dtype))
+
+    placement = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function"):
+            ins = [spec(x) for x in n.all_input_nodes]
+            placement[n] = SimpleNamespace(input_specs=ins, output_specs=spec(n))
+    return gm, placement
+
+
+def test_fused_pricing_reads_what_enters_a_region_and_writes_what_leaves():
+    """Compiled, the pointwise chain before the matmul is one kernel (reads x, writes relu's
+    output), and sin + sum after it another (reads the product, writes a scalar); per op, every
+    op reads and writes its own tensors."""
+    from shardings.step_model import price_placement
+
+    gm, placement = _priced_graph()
+    bw, floor = RATES.data["hbm_gbps"] * 1e3, RATES.data["op_floor_us"]
+    x = 256 * 512 * 4  # bytes of x and of every pointwise result before the matmul
+    y = 256 * 512 * 4  # the product
+    per_op = price_placement(gm.graph.nodes, placement, rates=RATES)
+    fused = price_placement(gm.graph.nodes, placement, rates=RATES, fused=True)
+    t = lambda n: max(n / bw, floor)  # noqa: E731
+    assert per_op.other_us == pytest.approx(3 * t(2 * x) + t(2 * y) + t(y + 4))
+    assert fused.other_us == pytest.approx(t(2 * x) + t(y + 4))
+    assert fused.matmul_us == per_op.matmul_us > 0

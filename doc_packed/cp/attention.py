@@ -20,6 +20,8 @@ move; backward 2 (out and home).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import _variants, kernels
@@ -30,6 +32,9 @@ from .lse_merge import merge_
 from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 from .warmup import warmup
+
+if TYPE_CHECKING:
+    from ..ops import Call as OpCall  # the op's arguments by name (ops imports this module, not back)
 
 __all__ = ["backward", "forward", "get_schedule", "layout_tag", "reject", "schedule_for", "schedules_built"]
 
@@ -318,24 +323,37 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, softc
         rows[call.q_buf].write(call, o, l)
 
 
-def forward(
-    q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, softcap=0.0, prefix_lens=None
-):
-    sch = get_schedule(
+def _group(call: OpCall) -> str:
+    assert call.cp_group is not None, "a context-parallel call names its group"
+    return call.cp_group
+
+
+def _call_schedule(q: torch.Tensor, k: torch.Tensor, call: OpCall, pass_: str) -> RankSchedule:
+    """:func:`get_schedule` for the op's call."""
+    return get_schedule(
         q,
         k,
-        cu_seqlens,
-        seq_len,
-        causal,
-        left,
-        right,
-        group_name,
-        scale=scale,
-        backend=backend,
-        softcap=softcap,
-        prefix_lens=prefix_lens,
+        call.cu_seqlens,
+        call.seq_len,
+        call.causal,
+        call.window_left,
+        call.window_right,
+        _group(call),
+        scale=call.scale,
+        backend=call.backend,
+        pass_=pass_,
+        softcap=call.softcap,
+        prefix_lens=call.prefix_lens,
     )
-    warmup(q, k, v, causal, left, right, backend, softcap)  # FA4's kernels of every kind, once
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: OpCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of this rank's queries (``call.cp_group`` holds the other chunks); sinks
+    are the caller's (:func:`doc_packed.ops.add_sinks`, after the merge)."""
+    sch = _call_schedule(q, k, call, "forward")
+    scale, backend, softcap, group_name = call.scale, call.backend, call.softcap, _group(call)
+    # FA4's kernels of every kind, once
+    warmup(q, k, v, call.causal, call.window_left, call.window_right, backend, softcap)
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     # one exchange out: K|V rows peers need, and the queries the plan moves
@@ -367,39 +385,10 @@ def forward(
 # ----------------------------------------------------------------------------- backward
 
 
-def backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cu_seqlens,
-    seq_len,
-    causal,
-    left,
-    right,
-    scale,
-    backend,
-    group_name,
-    softcap=0.0,
-    prefix_lens=None,
-):
-    sch = get_schedule(
-        q,
-        k,
-        cu_seqlens,
-        seq_len,
-        causal,
-        left,
-        right,
-        group_name,
-        scale=scale,
-        backend=backend,
-        pass_="backward",
-        softcap=softcap,
-        prefix_lens=prefix_lens,
-    )
+def backward(dout, q, k, v, out, lse, call: OpCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's chunk: partial dK/dV of received keys are summed home."""
+    sch = _call_schedule(q, k, call, "backward")
+    scale, backend, softcap, group_name = call.scale, call.backend, call.softcap, _group(call)
     B, L, Hq, D = q.shape
     Hkv = k.shape[2]
     qf, kf, vf = _flat(q), _flat(k), _flat(v)

@@ -31,6 +31,7 @@ the group size and the mask, so every rank computes the same one.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -241,7 +242,7 @@ class _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
         loads instead (the re-plans start from the same owner-first pieces: copied, not rebuilt)."""
         assert len(self.pieces) == sum(len(r) for r in self.by_rank), "fresh() is for unbalanced planners"
-        new = object.__new__(_Planner)
+        new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.pieces = [list(p) for p in self.pieces]
         new.by_rank = [[] for _ in range(self.c)]
@@ -510,6 +511,45 @@ class _Planner:
         )
 
 
+def _causal_pairs(n: int) -> int:
+    """Pairs of the first ``n`` queries of a causal document without window or prefix."""
+    return n * (n + 1) // 2 if n > 0 else 0
+
+
+def _causal_queries(target: int) -> int:
+    """The largest ``m >= 0`` with ``_causal_pairs(m) <= target`` (0 for a negative target)."""
+    return (math.isqrt(8 * target + 1) - 1) // 2 if target >= 0 else 0
+
+
+class _CausalPlanner(_Planner):
+    """The planner for causal documents without window or prefix (what training runs): the mask
+    arithmetic in closed form, the cuts by square root instead of bisection. The same answers
+    as :class:`_Planner` to the token (tests/test_cp_plan.py holds them equal), several times
+    faster: the planner runs in Python on every new layout."""
+
+    def _prefix(self, doc: _Doc, n: int) -> int:
+        return _causal_pairs(n)
+
+    def _work(self, doc: _Doc, a: int, e: int) -> int:
+        i0, i1 = a - doc.start, e - doc.start
+        return (i1 * (i1 + 1) - i0 * (i0 + 1)) // 2
+
+    def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
+        return doc.start, e
+
+    def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
+        i0, i1 = a - doc.start, e - doc.start
+        if tail:  # the smallest m in [i0, i1 - 1] with F(m) >= F(i1) - amount, as bisection finds
+            target = _causal_pairs(i1) - amount
+            m = _causal_queries(target)
+            if _causal_pairs(m) < target:
+                m += 1
+            return doc.start + min(max(m, i0), i1 - 1), e
+        # the largest m in [i0 + 1, i1] with F(m) <= F(i0) + amount
+        m = _causal_queries(_causal_pairs(i0) + amount)
+        return a, doc.start + min(max(m, i0 + 1), i1)
+
+
 def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
     q, k, m = rows
     return int(cost.query * q + cost.key * k + cost.merged * m)
@@ -543,7 +583,8 @@ def build_plan(
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
 
-    start = _Planner(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
+    kind = _CausalPlanner if causal and left < 0 and prefixes is None else _Planner
+    start = kind(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
 
     def planner(offsets: list[int] | None = None) -> _Planner:
         planner = start.fresh(offsets if offsets is not None else [0] * cp_size)
@@ -555,8 +596,11 @@ def build_plan(
         return best.result((left, right), None)
     # the re-plans are priced without building them; only the one kept becomes a plan
     extra = best.priced_rows(row_cost)
-    best_max = max(w + x for w, x in zip(best.work(), extra)) * (1 - _ROW_MARGIN)
-    if max(extra) > min(extra):
+    first_max = max(w + x for w, x in zip(best.work(), extra))
+    best_max = first_max * (1 - _ROW_MARGIN)
+    # a re-plan moves pairs against the ranks' spread of priced rows, so it gains at most about
+    # that spread: when the spread is under the margin a re-plan cannot be kept, and is not run
+    if max(extra) - min(extra) > _ROW_MARGIN * first_max:
         for step in _ROW_STEPS:
             candidate = planner([int(step * (e - min(extra))) for e in extra])
             priced = max(w + x for w, x in zip(candidate.work(), candidate.priced_rows(row_cost)))

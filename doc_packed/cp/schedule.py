@@ -395,88 +395,83 @@ def _runs(parts: list[tuple[int, int, int]], start: int, length: int) -> tuple[t
     return tuple(runs)
 
 
-def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
-    c, S = plan.cp_size, plan.seq_len
-    cs = chunk_len(S, c)
-    owners = plan.owners
-    my_start, my_end = owners[rank]
-    L = my_end - my_start
-    left, right = plan.window_size
-    causal = plan.causal
+_Parts = list[list[tuple[int, int, int]]]  # per peer rank: (row, start, end) runs of positions
 
-    def local(b: int, s: int) -> int:
-        return b * L + s - my_start
 
-    # ---- keys: what this rank sends (parts of peers' needed ranges it owns) and receives
-    kv_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
-    for t in range(c):
-        if t != rank:
-            for b, s0, e0 in plan.kv_ranges[t]:
-                for o, s, e in _parts(b, s0, e0, cs, S):
-                    if o == rank:
-                        kv_send_parts[t].append((b, s, e))
-    kv_recv_splits = [0] * c
-    recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
-    for b, s0, e0 in plan.kv_ranges[rank]:
+def _owned_by(ranges, rank: int, cs: int, S: int) -> list[tuple[int, int, int]]:
+    """The parts of ``(row, start, end)`` ranges that ``rank``'s shard holds."""
+    return [(b, s, e) for b, s0, e0 in ranges for o, s, e in _parts(b, s0, e0, cs, S) if o == rank]
+
+
+def _by_owner(ranges, rank: int, c: int, cs: int, S: int) -> tuple[_Parts, list[int]]:
+    """The parts of ``(row, start, end)`` ranges that other ranks (of ``c``) hold, per owner, and
+    how many positions each owner holds."""
+    parts: _Parts = [[] for _ in range(c)]
+    for b, s0, e0 in ranges:
         for o, s, e in _parts(b, s0, e0, cs, S):
             if o != rank:
-                recv_parts[o].append((b, s, e))
-                kv_recv_splits[o] += e - s
-    remote: dict[int, list[tuple[int, int, int]]] = {}  # row -> sorted (s, e, first recv row)
-    pos = 0
-    for o in range(c):
-        for b, s, e in recv_parts[o]:
-            remote.setdefault(b, []).append((s, e, pos))
-            pos += e - s
-    for runs in remote.values():
-        runs.sort()
-    starts = {b: [r[0] for r in runs] for b, runs in remote.items()}
+                parts[o].append((b, s, e))
+    return parts, [sum(e - s for _, s, e in ps) for ps in parts]
 
-    def recv_row(b: int, s: int, e: int) -> int:
-        j = bisect_right(starts[b], s) - 1
-        rs, re_, r0 = remote[b][j]
+
+class _Received:
+    """Where received key positions land in the receive buffer: grouped by source rank, in order."""
+
+    def __init__(self, recv_parts: _Parts):
+        remote: dict[int, list[tuple[int, int, int]]] = {}  # row -> sorted (s, e, first recv row)
+        pos = 0
+        for parts in recv_parts:
+            for b, s, e in parts:
+                remote.setdefault(b, []).append((s, e, pos))
+                pos += e - s
+        for runs in remote.values():
+            runs.sort()
+        self.remote = remote
+        self.starts = {b: [r[0] for r in runs] for b, runs in remote.items()}
+
+    def row(self, b: int, s: int, e: int) -> int:
+        """The receive buffer row of position ``s`` of row ``b`` (``[s, e)`` lands contiguously)."""
+        j = bisect_right(self.starts[b], s) - 1
+        rs, re_, r0 = self.remote[b][j]
         assert rs <= s and e <= re_, "key range not covered by the plan's kv_ranges"
         return r0 + s - rs
 
-    # ---- queries: what this rank sends (its rows other ranks compute) and receives
-    q_send_splits = [0] * c
-    q_send_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
-    for t in range(c):
-        if t != rank:
-            for seg in plan.segments[t]:
-                for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
-                    if o == rank:
-                        q_send_parts[t].append((seg.batch, s, e))
-                        q_send_splits[t] += e - s
-    q_recv_splits = [0] * c
-    q_parts: list[tuple[int, int, int, int, int]] = []  # (segment, owner, s, e, recv offset in owner block)
-    q_recv_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(c)]
-    for i, seg in enumerate(plan.segments[rank]):
-        for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
-            if o != rank:
-                q_parts.append((i, o, s, e, q_recv_splits[o]))
-                q_recv_parts[o].append((seg.batch, s, e))
-                q_recv_splits[o] += e - s
-    q_base = [sum(q_recv_splits[:o]) for o in range(c)]
-    moved_in = {(i, s): q_base[o] + off for i, o, s, e, off in q_parts}
 
-    # ---- pieces: (query part, key part) of each segment, each contiguous in its buffer
+def _landing(parts: _Parts, owners) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Where each source's runs land in the receive buffer: grouped by source rank, in order,
+    as (first row, rows)."""
+    out, at = [], 0
+    for o, ps in enumerate(parts):
+        lands = []
+        start, end = owners[o]
+        for _, n in _runs(ps, start, end - start):
+            lands.append((at, n))
+            at += n
+        out.append(tuple(lands))
+    return tuple(out)
+
+
+def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, moved_in: dict) -> list[_Piece]:
+    """(query part, key part) of each of ``rank``'s segments, each contiguous in its buffer:
+    local rows where ``rank`` owns the positions, received rows elsewhere (``moved_in``: the
+    receive row of each moved query run, keyed by (segment, start))."""
+    c, S = plan.cp_size, plan.seq_len
+    cs = chunk_len(S, c)
+    my_start, my_end = plan.owners[rank]
+    L = my_end - my_start
+    left, right = plan.window_size
     pieces: list[_Piece] = []
     for i, seg in enumerate(plan.segments[rank]):
         b = seg.batch
         q_runs = []
         for o, s, e in _parts(b, seg.start, seg.end, cs, S):
-            q_runs.append((LOCAL, local(b, s), s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
+            q_runs.append((LOCAL, b * L + s - my_start, s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
         k_runs: list[tuple[str, int, int, int]] = []  # (buffer, first row, s, e), merged when contiguous
         for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
-            buf, row = (LOCAL, local(b, s)) if o == rank else (RECV, recv_row(b, s, e))
-            if (
-                k_runs
-                and k_runs[-1][0] == buf
-                and k_runs[-1][3] == s
-                and k_runs[-1][1] + k_runs[-1][3] - k_runs[-1][2] == row
-            ):
-                k_runs[-1] = (buf, k_runs[-1][1], k_runs[-1][2], e)
+            buf, row = (LOCAL, b * L + s - my_start) if o == rank else (RECV, received.row(b, s, e))
+            last = k_runs[-1] if k_runs else None
+            if last is not None and last[0] == buf and last[3] == s and last[1] + last[3] - last[2] == row:
+                k_runs[-1] = (buf, last[1], last[2], e)
             else:
                 k_runs.append((buf, row, s, e))
         pe = seg.prefix_end
@@ -490,10 +485,41 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                 if qs >= qe:
                     continue
             for kb, kr, ks, ke in k_runs:
-                vis = _visible(qs, qe - qs, ks, ke - ks, causal, left, right)
+                vis = _visible(qs, qe - qs, ks, ke - ks, plan.causal, left, right)
                 if vis is not None:
                     dq0, nq, dk0, nk = vis
                     pieces.append(_Piece(qb, qr + dq0, nq, qs + dq0, kb, kr + dk0, nk, ks + dk0))
+    return pieces
+
+
+def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -> RankSchedule:
+    """Rank ``rank``'s schedule of ``plan``, its device indices queued to ``device``."""
+    c, S = plan.cp_size, plan.seq_len
+    cs = chunk_len(S, c)
+    owners = plan.owners
+    my_start, my_end = owners[rank]
+    L = my_end - my_start
+    left, right = plan.window_size
+    causal = plan.causal
+
+    # keys: the parts of peers' needed ranges this rank owns (sent), and what it needs (received)
+    kv_send_parts = [_owned_by(plan.kv_ranges[t], rank, cs, S) if t != rank else [] for t in range(c)]
+    recv_parts, kv_recv_splits = _by_owner(plan.kv_ranges[rank], rank, c, cs, S)
+    # queries: its rows other ranks compute (sent), and the rows it computes for others (received)
+    q_send_parts = [
+        _owned_by(((g.batch, g.start, g.end) for g in plan.segments[t]), rank, cs, S) if t != rank else []
+        for t in range(c)
+    ]
+    q_send_splits = [sum(e - s for _, s, e in ps) for ps in q_send_parts]
+    q_recv_parts, q_recv_splits = _by_owner(((g.batch, g.start, g.end) for g in plan.segments[rank]), rank, c, cs, S)
+    q_base = [sum(q_recv_splits[:o]) for o in range(c)]
+    moved_in, seen = {}, [0] * c  # (segment, start) -> receive row of a moved query run
+    for i, seg in enumerate(plan.segments[rank]):
+        for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
+            if o != rank:
+                moved_in[(i, s)] = q_base[o] + seen[o]
+                seen[o] += e - s
+    pieces = _pieces(plan, rank, _Received(recv_parts), moved_in)
 
     stage_a = [p for p in pieces if p.q_buf == LOCAL and p.k_buf == LOCAL]
     stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
@@ -502,22 +528,8 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     pending_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
     pending_b = _calls(stage_b, causal, left, right, index, written)
 
-    def sent(parts: list[list[tuple[int, int, int]]]):
-        return tuple(_runs(ps, my_start, L) for ps in parts)
-
-    def received(parts: list[list[tuple[int, int, int]]]):
-        """Where each source's runs land: grouped by source rank, in order."""
-        out, at = [], 0
-        for o, ps in enumerate(parts):
-            lands = []
-            start, end = owners[o]
-            for _, n in _runs(ps, start, end - start):
-                lands.append((at, n))
-                at += n
-            out.append(tuple(lands))
-        return tuple(out)
-
-    kv_send_runs, q_send_runs = sent(kv_send_parts), sent(q_send_parts)
+    kv_send_runs = tuple(_runs(ps, my_start, L) for ps in kv_send_parts)
+    q_send_runs = tuple(_runs(ps, my_start, L) for ps in q_send_parts)
     q_send = index.add_runs([(r0, r0 + n) for runs in q_send_runs for r0, n in runs])
     flat = [run for runs in kv_send_runs for run in runs]  # the order they come home in
     land, back_rows, gaps, back_sums, shared = _home_grid(flat)
@@ -539,9 +551,9 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
         q_send_splits=q_send_splits,
         q_recv_splits=q_recv_splits,
         kv_send_runs=kv_send_runs,
-        kv_recv_runs=received(recv_parts),
+        kv_recv_runs=_landing(recv_parts, owners),
         q_send_runs=q_send_runs,
-        q_recv_runs=received(q_recv_parts),
+        q_recv_runs=_landing(q_recv_parts, owners),
         stage_a=tuple(p.on_device(index, device) for p in pending_a),
         stage_b=tuple(p.on_device(index, device) for p in pending_b),
         kv_traffic=sum(plan.kv_recv_tokens) > 0,

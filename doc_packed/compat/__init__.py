@@ -8,13 +8,16 @@ Change one import and keep the call::
     from torch.nn.attention.varlen import varlen_attn        # torch 2.11 / 2.13
     from doc_packed.compat import varlen_attn
 
-Both keep their library's defaults (``causal=False`` / ``window_size=(-1, -1)``: full attention
-inside each document) and its mask rules, written out in docs/coming_from.md and tested against
-a float64 oracle of the peer's semantics in tests/test_compat.py. What doc-packed cannot do
-raises ``ValueError`` naming the argument, before any kernel: dropout, ALiBi, paged or cached
+    from flash_attn.cute import flash_attn_varlen_func       # FlashAttention-4 (flash-attn-4)
+    from doc_packed.compat.cute import flash_attn_varlen_func
+
+Each keeps its library's defaults (full attention inside each document unless the call asks for
+a causal mask or a window) and its mask rules, written out in docs/coming_from.md and tested
+against a float64 oracle of the peer's semantics in tests/test_compat.py. What doc-packed cannot
+do raises ``ValueError`` naming the argument, before any kernel: dropout, ALiBi, paged or cached
 K/V, and queries and keys with different boundaries (doc-packed is self-attention over one
-``cu_seqlens``). FlashAttention-4's ``flash_attn.cute`` interface has another argument order
-and is not mirrored here.
+``cu_seqlens``). FlashAttention-4's interface lives in :mod:`doc_packed.compat.cute`, as FA4's
+own lives in ``flash_attn.cute``: the same function name with another argument list.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from ._checks import check_max_seqlen_arg
-from .varlen import doc_packed_attn_varlen
+from .. import _compat
+from .._checks import check_max_seqlen_arg
+from ..varlen import doc_packed_attn_varlen
 
 __all__ = ["flash_attn_varlen_func", "varlen_attn"]
 
