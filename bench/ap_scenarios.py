@@ -32,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import doc_packed as dp  # noqa: E402
-from doc_packed.examples import Transformer, training_flops  # noqa: E402
+from doc_packed_examples.model import Transformer, training_flops  # noqa: E402
 
 # the project's e2e model (bench/bench_e2e.py) and a narrower, deeper one; layers are few so a
 # CPU solve stays short (AutoParallel solves repeated layers once; the choice is per layer)

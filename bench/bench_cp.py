@@ -16,7 +16,7 @@ other, and how much of the communication ran while no compute kernel did (expose
 
 Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]
 [--packing greedy|cp|both] [--means 2048,512] [--one-doc-max 262144] [--profile]`` (``cp``: the
-same lognormal documents in CP-aware order, ``doc_packed.pack_order``; the layout is then named
+same lognormal documents in CP-aware order, ``doc_packed.data.pack_order``; the layout is then named
 "lognormal 2k cp-packed"). The all-gather baseline runs on the kernel ``backend="auto"`` picks
 for its (non-local) calls: FA4 on Hopper where installed.
 """
@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import random_attention_problem
-from doc_packed.layout import lognormal_lengths
+from doc_packed_examples.model import random_attention_problem
+from doc_packed.data import lognormal_lengths
 from doc_packed import kernels
 from doc_packed.env import backend_for
 from doc_packed.kernels import VarlenSpec
@@ -144,7 +144,7 @@ def layouts(
     """(name, segment lengths of the row) to time: one document (up to ``one_doc_max``), then
     lognormal documents of each mean in ``means``. ``packing``: ``greedy`` keeps the drawn
     order (first-fit of one row), ``cp`` reorders the same documents with
-    ``doc_packed.pack_order(..., cp_size=world)``, ``both`` times each. ``draw``: another draw
+    ``doc_packed.data.pack_order(..., cp_size=world)``, ``both`` times each. ``draw``: another draw
     of the same distributions (a new layout; one document stays one document)."""
     out = [("one doc", [S])] if S <= one_doc_max else []
     for mean in means:
@@ -153,7 +153,7 @@ def layouts(
         if packing in ("greedy", "both"):
             out.append((name, drawn))
         if packing in ("cp", "both"):
-            order = dp.pack_order(drawn, S, cp_size=world)
+            order = dp.data.pack_order(drawn, S, cp_size=world)
             assert len(order.lengths) == 1, "one row of documents packs into one row"
             out.append((f"{name} cp-packed", order.lengths[0]))
     return out
@@ -460,7 +460,7 @@ def main():
     ap.add_argument("--cpu-dry-run", action="store_true", help="CPU/gloo, fp32, tiny heads: checks the script (pass small --sizes, e.g. 2048,4096)")
     ap.add_argument(
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
-        help="document order of the lognormal row: as drawn (greedy), CP-aware (doc_packed.pack_order with cp_size=--gpus), or both",
+        help="document order of the lognormal row: as drawn (greedy), CP-aware (doc_packed.data.pack_order with cp_size=--gpus), or both",
     )
     ap.add_argument("--means", default="2048", help="lognormal mean document lengths, e.g. 2048,512")
     ap.add_argument("--one-doc-max", type=int, default=1 << 62, help="time the one-document row only up to this S")

@@ -45,7 +45,7 @@ to every call: the fairer figure for host-bound ranks (CP >= 8), applied to the 
     python bench/bench_cp_emulate.py --packing both --seq 131072 262144 --cp 2 4 8   # greedy vs CP-aware rows
 
 ``--packing cp`` reorders each lognormal row's documents for the run's CP size
-(``doc_packed.pack_order``): same documents, same one-GPU work, the per-rank split changes.
+(``doc_packed.data.pack_order``): same documents, same one-GPU work, the per-rank split changes.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _args():
     p.add_argument("--split-all", action="store_true", help="profile every rank (not only the slowest): kernel split and top kernels per rank, with the rank's planned pairs")
     p.add_argument(
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
-        help="document order of the lognormal rows: as drawn, CP-aware for each --cp (doc_packed.pack_order), or both",
+        help="document order of the lognormal rows: as drawn, CP-aware for each --cp (doc_packed.data.pack_order), or both",
     )
     p.add_argument(
         "--entry", choices=["op", "eager"], default="op",

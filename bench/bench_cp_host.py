@@ -46,7 +46,7 @@ def rank_main(rank, world, args, barrier, queue):
             which = i % 2
             torch.set_num_threads(settings[which])
             rng = random.Random(hash((B, S, i)) & 0xFFFFFFF)
-            cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, rng) for _ in range(B)], S, max_docs=S // 8)
+            cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, 2048, rng) for _ in range(B)], S, max_docs=S // 8)
             barrier.wait()
             t0, c0 = time.perf_counter(), time.process_time()
             layout = get_layout(cu, S)

@@ -10,7 +10,7 @@ The placed module is compiled with :func:`shardings.compile.compile_placed` (``-
 ``auto`` by default, ``eager`` for AutoParallel's uncompiled runner). Rank 0 also trains the
 plain model (no AutoParallel) on one GPU, one row of ``S`` tokens, eager and compiled: the
 anchor. Each mode reports tokens/s, tokens/s per GPU over the anchor's tokens/s, and MFU =
-model FLOPs (:func:`doc_packed.examples.training_flops`, attention pairs of the real layouts)
+model FLOPs (:func:`doc_packed_examples.model.training_flops`, attention pairs of the real layouts)
 / (step time x GPUs x ``--peak-tflops``), next to the step-time model's prediction for the
 solved placement (:func:`shardings.step_model.price_placement` on the first batch's layout,
 rates from ``--rates``; ops other than matmuls, attention and collectives priced fused when the
@@ -71,7 +71,7 @@ sys.path.insert(0, HERE)  # e2e_models
 import doc_packed as dp  # noqa: E402
 import e2e_models as models  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.layout import lognormal_lengths  # noqa: E402
+from doc_packed.data import lognormal_lengths  # noqa: E402
 
 
 def solved_input_placements(autop, placement):

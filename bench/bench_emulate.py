@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import doc_packed as dp  # noqa: E402
 from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.examples import Transformer, training_flops  # noqa: E402
-from doc_packed.layout import lognormal_lengths  # noqa: E402
+from doc_packed_examples.model import Transformer, training_flops  # noqa: E402
+from doc_packed.data import lognormal_lengths  # noqa: E402
 
 # layout -> (mesh dim names, token placement letters, forced attention kinds, batch rows per dp rank)
 LAYOUTS = {

@@ -39,8 +39,8 @@ import time
 import torch
 
 import doc_packed as dp
-from doc_packed.examples import random_attention_problem
-from doc_packed.layout import lognormal_lengths
+from doc_packed_examples.model import random_attention_problem
+from doc_packed.data import lognormal_lengths
 from doc_packed._mask import doc_pairs
 
 

@@ -3,7 +3,7 @@
 For each document-length distribution of bench/cp_model.py, row length S, rows per batch B and
 CP size c: draw B rows of documents exactly as the simulation does (``cp_model.make_layout``,
 so "greedy" is first-fit in drawn order, every row full), repack the same documents with
-``doc_packed.packing.pack_order(lengths, S, cp_size=c)`` ("cp"), and plan both with
+``doc_packed.data.pack_order(lengths, S, cp_size=c)`` ("cp"), and plan both with
 ``doc_packed.cp.plan.build_plan`` (causal, ``query_cost = Hq/Hkv = 4``, tolerance 0.01, as the
 runtime). Reported per packing: queries moved (max over ranks), K/V tokens received (max over
 ranks) and as a share of all-gather's ``B*S*(c-1)/c``, the owner-first imbalance (before the
@@ -43,7 +43,8 @@ from bench.simulate_cp import markdown_table  # noqa: E402
 from doc_packed._doc_layout import DocLayout  # noqa: E402
 from doc_packed._mask import prefix_pairs  # noqa: E402
 from doc_packed.cp.plan import build_plan, chunk_len  # noqa: E402
-from doc_packed.packing import PAD, _column_loads, pack_order, pack_stream  # noqa: E402
+from doc_packed.data import PAD, pack_order, pack_stream  # noqa: E402
+from doc_packed.data._work import column_loads  # noqa: E402
 
 SEED = 2026
 MEANS = {"lognormal-512": 512, "lognormal-2k": 2048, "lognormal-8k": 8192, "powerlaw": 384}
@@ -62,7 +63,7 @@ def _layout(lens: list[list[int]], S: int) -> DocLayout:
 
 def _measure(lens: list[list[int]], S: int, c: int) -> dict:
     layout = _layout(lens, S)
-    loads = _column_loads(lens, S, c, True, -1, 0)
+    loads = column_loads(lens, S, c, True, -1, 0)
     mean = sum(loads) / c
     plan = build_plan(layout, c, True, -1, 0, query_cost=HQ / HKV, tolerance=0.01)
     B = len(lens)

@@ -1,15 +1,17 @@
-"""Time two versions of ``doc_packed/packing.py`` against each other, alternately (CPU only).
+"""Time two versions of the packer against each other, alternately (CPU only).
 
 The machine is shared and its load changes by the second, so wall time and single runs lie.
-This loads each given file as its own module, and for every cell of ``bench_packing``'s timing
-grid (1M tokens of documents: 8 rows of 128k or one row of 1M, CP 2/8/64/1024) runs
-``pack_order`` once per version in turn, ``--reps`` times, on one thread, and prints the least
-process CPU time of each version; "(rows differ)" where the versions' rows are not the same.
+This loads each given version as its own module: a copy of the ``doc_packed/data`` package (a
+folder), or ``doc_packed/packing.py`` of a commit before the package (one file). For every cell
+of ``bench_packing``'s timing grid (1M tokens of documents: 8 rows of 128k or one row of 1M, CP
+2/8/64/1024) it runs ``pack_order`` once per version in turn, ``--reps`` times, on one thread,
+and prints the least process CPU time of each version; "(rows differ)" where the versions' rows
+are not the same.
 
 Usage (the version before a change from git, this one from the tree):
-    git show <commit>:doc_packed/packing.py > /tmp/packing_before.py
-    python bench/bench_packing_ab.py /tmp/packing_before.py doc_packed/packing.py
-    python bench/bench_packing_ab.py A.py B.py --cells powerlaw:8x128k:64 lognormal-512:8x128k:16
+    mkdir -p /tmp/before && git archive <commit> doc_packed/data | tar -x -C /tmp/before
+    python bench/bench_packing_ab.py /tmp/before/doc_packed/data doc_packed/data
+    python bench/bench_packing_ab.py A B --cells powerlaw:8x128k:64 lognormal-512:8x128k:16
 """
 
 from __future__ import annotations
@@ -31,18 +33,27 @@ CPS = [2, 8, 64, 1024]
 
 
 def _load(path: str, k: int):
-    spec = importlib.util.spec_from_file_location(f"doc_packed._packing_ab{k}", path)
+    """A version as a module of ``doc_packed`` (its relative imports resolve against the installed
+    package): a folder as the package ``doc_packed._data_ab<k>``, a file as one module."""
+    name = f"doc_packed._packing_ab{k}"
+    if os.path.isdir(path):
+        name = f"doc_packed._data_ab{k}"
+        init = os.path.join(path, "__init__.py")
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "doc_packed"  # its relative imports resolve against the installed package
+    mod.__package__ = name if os.path.isdir(path) else "doc_packed"
+    sys.modules[name] = mod  # a package's own modules import it by name
     spec.loader.exec_module(mod)
     return mod
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("versions", nargs="+", help="packing.py files, timed in turn")
+    p.add_argument("versions", nargs="+", help="doc_packed/data folders or packing.py files, timed in turn")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--cells", nargs="*", help="dist:8x128k|1x1M:cp (default: the whole grid)")
     args = p.parse_args(argv)

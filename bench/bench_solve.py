@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # this checkout's doc_packed / shardings, not an installed copy
 
-from doc_packed import examples  # noqa: E402  (the example model's attention, from this checkout)
+from doc_packed_examples import model as examples  # noqa: E402  (the example model's attention, from this checkout)
 
 LLAMA_8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336)
 TINY = dict(vocab=1024, dim=256, n_heads=4, n_kv_heads=2, hidden=512)

@@ -1,7 +1,7 @@
 """The step model against measured training steps: per op (eager) and fused (compiled).
 
 For each recorded ``bench/bench_e2e.py`` run (``docs/results/*.json``: mesh, batch, row length,
-forced attention layout, measured step), the same model (``doc_packed.examples.Transformer``, 4
+forced attention layout, measured step), the same model (``doc_packed_examples.model.Transformer``, 4
 layers, dim 2048, 16/4 heads, vocab 8192, bf16) is traced and solved again on CPU with
 AutoParallel's fake process group and the same constraints, and the solution is priced by
 :func:`shardings.step_model.price_placement` both ways. The anchor is the measured step (mean
@@ -59,7 +59,7 @@ def priced(mesh_shape, names, B, S, inputs, forced):
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
 
-    from doc_packed.examples import Transformer
+    from doc_packed_examples.model import Transformer
     from shardings.autoparallel import cost_model_for, force_attention_layout
     from shardings.costs import pricing
     from shardings.step_model import Layout, Rates, Topology, price_placement

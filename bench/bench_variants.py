@@ -30,7 +30,7 @@ from bench_op import bench  # noqa: E402
 from doc_packed import kernels, ops  # noqa: E402
 from doc_packed._doc_layout import get_layout  # noqa: E402
 from doc_packed._variants import prefixes  # noqa: E402
-from doc_packed.layout import lognormal_lengths  # noqa: E402
+from doc_packed.data import lognormal_lengths  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SOFTCAP = 30.0  # Gemma 2's attention softcap

@@ -83,7 +83,7 @@ import numpy as np
 
 from doc_packed._doc_layout import DocLayout
 from doc_packed._mask import prefix_pairs
-from doc_packed.cp.plan import build_plan, owner_ranges
+from doc_packed.cp.plan import TOLERANCE, build_plan, owner_ranges
 
 # ---- model and hardware constants (landscape.md; the CLI overrides them) -------------------
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -92,7 +92,6 @@ TFLOPS = 277.0  # H200 varlen fwd+bwd, 64k tokens, lognormal documents (277-327 
 A2A_GBPS = 283.0  # all_to_all_single out per rank, 2 x H200, 256 MB
 AG_GBPS = 256.0  # all_gather, 2 x H200
 BWD_FACTOR = 2.5  # backward flops / forward flops
-TOLERANCE = 0.01  # the runtime's (doc_packed/cp/attention.py)
 
 DISTS = ["lognormal-512", "lognormal-2k", "lognormal-8k", "powerlaw", "one-doc", "long+short"]
 CHUNKS_PER_RANK = 8  # min-heap baseline: chunks of ~S/(8c)

@@ -1,7 +1,7 @@
 """The models bench_e2e.py trains, each as ``forward(tokens [B, S], cu_seqlens [B, MAX_DOCS + 1])
 -> logits [B, S, V]``, the form AutoParallel traces:
 
-- ``example``: doc_packed's example model (``doc_packed.examples.Transformer``, its 4x MLP);
+- ``example``: doc_packed's example model (``doc_packed_examples.model.Transformer``, its 4x MLP);
 - ``llama8b``: the same model in Llama-3-8B's shape (``examples.LLAMA_8B``: dim 4096, 32 / 8 heads,
   SwiGLU hidden 14336, vocab 128256; no RoPE), ``--layers`` of them;
 - ``hf-llama``: transformers' ``LlamaForCausalLM`` in that shape (RoPE), through
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import doc_packed as dp
-from doc_packed.examples import LLAMA_8B, Transformer
+from doc_packed_examples.model import LLAMA_8B, Transformer
 
 MODELS = ("example", "llama8b", "hf-llama", "titan-llama")
 # each model's attentions for the anchor: doc_packed first, then the library's own
@@ -207,7 +207,7 @@ def anchor_call(spec: ModelSpec, attn: str, model: nn.Module) -> Callable[[torch
 
 def step_flops(spec: ModelSpec, model: nn.Module, cu_seqlens: torch.Tensor, seq_len: int) -> float:
     """Model FLOPs of one training step on rows laid out by ``cu_seqlens``, as
-    :func:`doc_packed.examples.training_flops` counts them: ``6 * tokens * (weights of every
+    :func:`doc_packed_examples.model.training_flops` counts them: ``6 * tokens * (weights of every
     Linear)`` plus, per layer, 3.5 x the forward's ``4 * pairs * H_q * D`` with the layout's exact
     causal pairs (activation checkpointing's recompute is not model work: not counted)."""
     from doc_packed.flops import total_pairs

@@ -8,13 +8,13 @@ import doc_packed as dp
 def emulated_lengths(name: str, S: int, c: int = 1, packing: str = "greedy") -> list[int]:
     """The documents of layout ``name`` (``"one doc"``, ``"lognormal 2k"``, ``"lognormal 512"``)
     in one row of ``S``: as drawn, or with ``packing="cp"`` in CP-aware order for ``c`` ranks
-    (``doc_packed.pack_order``; needs a doc_packed that has it)."""
+    (``doc_packed.data.pack_order``; needs a doc_packed that has it)."""
     if name == "one doc":
         return [S]
     mean = int(name.split()[1].replace("k", "000").replace("2000", "2048"))
-    drawn = dp.lognormal_lengths(S, mean, seed=S)
+    drawn = dp.data.lognormal_lengths(S, mean, seed=S)
     if packing == "greedy":
         return drawn
-    order = dp.pack_order(drawn, S, cp_size=c)
+    order = dp.data.pack_order(drawn, S, cp_size=c)
     assert len(order.lengths) == 1, "one row of documents packs into one row"
     return order.lengths[0]

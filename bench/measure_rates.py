@@ -27,9 +27,9 @@ import sys
 import torch
 
 import doc_packed as dp
-from doc_packed.examples import random_attention_problem
+from doc_packed_examples.model import random_attention_problem
 from doc_packed.flops import total_pairs
-from doc_packed.layout import lognormal_lengths
+from doc_packed.data import lognormal_lengths
 
 
 def timed_ms(fn, warmup: int = 3, iters: int = 10) -> float:

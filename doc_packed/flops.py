@@ -29,7 +29,7 @@ import torch
 
 from ._doc_layout import cp_degree, get_layout
 from ._mask import doc_pairs, doc_pairs_bidirectional
-from .layout import lognormal_lengths
+from .data.synthetic import lognormal_lengths
 
 # (q_shape, kv_heads, seq_len, causal, left, right, dtype, backward, flops, doc_len, cp_dim) -> flops
 PlanningCost = Callable[..., int]

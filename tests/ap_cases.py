@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
-from doc_packed.examples import Transformer
+from doc_packed_examples.model import Transformer
 
 
 def _batch(seed, B, S, vocab, lengths):

@@ -62,7 +62,7 @@ def build(which: str, checkpoint: bool = False, layers: int | None = None) -> tu
     if layers is None:
         layers = 1 if which == "torchtitan" else 2
     if which == "example":
-        from doc_packed.examples import Transformer
+        from doc_packed_examples.model import Transformer
 
         model = Transformer(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=layers, hidden=64, checkpoint=checkpoint)
         with torch.no_grad():

@@ -85,7 +85,7 @@ def layout_host_ms(rank, world, layouts, S, rounds):
         which = i % 2
         torch.set_num_threads(settings[which])
         rng = random.Random(i)
-        cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, rng) for _ in range(layouts)], S, max_docs=S // 8)
+        cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, 2048, rng) for _ in range(layouts)], S, max_docs=S // 8)
         dist.barrier()  # every rank works at once, as in training
         t0 = time.perf_counter()
         layout = get_layout(cu, S)

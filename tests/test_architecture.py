@@ -1,10 +1,13 @@
 """The house rules docs/architecture.md states, checked on the source.
 
-- ``doc_packed`` never imports ``shardings`` (not at import time, not lazily in a function);
-  each package imports alone in a fresh interpreter, in either order.
+- Imports run down: ``doc_packed`` <- ``shardings`` <- ``doc_packed_examples`` (the example
+  model and the demo); nothing imports a package above it (not at import time, not lazily in
+  a function). Each library imports alone in a fresh interpreter, in either order.
+- ``doc_packed.data`` (data preparation) sits below the op: it imports only the argument
+  checks, the mask's pair counts and the planner's shard ranges and tolerance.
 - Private names of torch, AutoParallel and FlashAttention are touched only in the compat
   modules: no ``from torch._x import``/``import torch._x``, no ``from m import _name`` and no
-  ``obj._attr`` on anything but ``self``/``cls`` elsewhere in the two packages.
+  ``obj._attr`` on anything but ``self``/``cls`` elsewhere in the three packages.
 - The page itself matches the code: every file, module and name it puts in backticks exists,
   and its module tables have one row per module of each package.
 """
@@ -20,12 +23,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("doc_packed", "shardings")
+PACKAGES = ("doc_packed", "shardings", "doc_packed_examples")  # bottom up
 COMPAT = {"doc_packed/_compat.py", "shardings/_compat.py", "shardings/_ap_compat.py"}
 EXTERNAL = ("torch", "autoparallel", "flash_attn")
-# the end-to-end program (``python -m doc_packed.demo``) runs on both packages; no library module
-# imports it
-APPLICATIONS = {"doc_packed/demo.py"}
 
 
 def _sources(package: str) -> list[pathlib.Path]:
@@ -40,6 +40,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _package(path: pathlib.Path) -> str:
+    """The package a source file's relative imports resolve against (``doc_packed.data``)."""
+    return ".".join(path.relative_to(ROOT).parts[:-1])
+
+
 def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, list[str]]]:
     """(line, absolute module, imported names) of every import in a module of ``package``."""
     out = []
@@ -48,35 +53,62 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, list[str]]]:
             out.extend((node.lineno, a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if node.level:  # relative: resolve against the package
-                module = ".".join([package] + ([module] if module else []))
+            if node.level:  # relative: resolve against the package, one level up per extra dot
+                parts = package.split(".")
+                module = ".".join(parts[: len(parts) - node.level + 1] + ([module] if module else []))
             out.append((node.lineno, module, [a.name for a in node.names]))
     return out
 
 
-def test_doc_packed_never_imports_shardings():
-    found = []
-    for p in _sources("doc_packed"):
-        for line, module, names in _imports(ast.parse(p.read_text()), "doc_packed"):
-            to_shardings = module == "shardings" or module.startswith("shardings.")
-            to_app = module == "doc_packed.demo" or (module == "doc_packed" and "demo" in names)
-            if (to_shardings and _rel(p) not in APPLICATIONS) or to_app:
-                found.append(f"{_rel(p)}:{line} imports {module} {names}")
-    assert not found, "doc_packed must not import shardings:\n" + "\n".join(found)
+def test_imports_run_down():
+    found = [
+        f"{_rel(p)}:{line} imports {module}"
+        for level, package in enumerate(PACKAGES)
+        for p in _sources(package)
+        for line, module, _ in _imports(ast.parse(p.read_text()), _package(p))
+        if module.split(".")[0] in PACKAGES[level + 1 :]
+    ]
+    assert not found, "imports that run up (doc_packed <- shardings <- doc_packed_examples):\n" + "\n".join(found)
 
 
 # what shardings may use of doc_packed (docs/architecture.md)
-SHARDINGS_MAY_IMPORT = {"doc_packed", "doc_packed.ops", "doc_packed.flops", "doc_packed.layout", "doc_packed._compat"}
+SHARDINGS_MAY_IMPORT = {"doc_packed", "doc_packed.ops", "doc_packed.flops", "doc_packed.data", "doc_packed._compat"}
 
 
 def test_shardings_uses_doc_packed_through_its_stated_surface():
     found = [
         f"{_rel(p)}:{line} imports {module}"
         for p in _sources("shardings")
-        for line, module, _ in _imports(ast.parse(p.read_text()), "shardings")
+        for line, module, _ in _imports(ast.parse(p.read_text()), _package(p))
         if module.split(".")[0] == "doc_packed" and module not in SHARDINGS_MAY_IMPORT
     ]
     assert not found, "shardings reaches into doc_packed internals:\n" + "\n".join(found)
+
+
+# what data preparation may use of the rest of doc_packed (docs/architecture.md): never the op
+DATA_MAY_IMPORT = {"doc_packed._checks", "doc_packed._mask", "doc_packed.cp.plan"}
+
+
+def test_data_preparation_sits_below_the_op():
+    found = [
+        f"{_rel(p)}:{line} imports {module}"
+        for p in _sources("doc_packed/data")
+        for line, module, _ in _imports(ast.parse(p.read_text()), _package(p))
+        if module.split(".")[0] == "doc_packed"
+        and module.split(".")[:2] != ["doc_packed", "data"]
+        and module not in DATA_MAY_IMPORT
+    ]
+    assert not found, "doc_packed.data imports above its layer:\n" + "\n".join(found)
+
+
+def test_relative_imports_resolve_as_python_resolves_them():
+    code = "from .._mask import x\nfrom ._rows import y\nfrom . import z\nfrom .. import ops"
+    assert [m for _, m, _ in _imports(ast.parse(code), "doc_packed.data")] == [
+        "doc_packed._mask",
+        "doc_packed.data._rows",
+        "doc_packed.data",
+        "doc_packed",
+    ]
 
 
 @pytest.mark.parametrize(

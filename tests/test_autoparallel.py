@@ -33,7 +33,7 @@ if not autoparallel_available():
 import doc_packed as dp  # noqa: E402
 from doc_packed.ops import arg_index  # noqa: E402
 from ap_cases import ap_train  # noqa: E402
-from doc_packed.examples import Transformer  # noqa: E402
+from doc_packed_examples.model import Transformer  # noqa: E402
 from shardings.autoparallel import (  # noqa: E402
     attention_time_us,
     cost_model_for,

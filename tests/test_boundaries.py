@@ -89,7 +89,7 @@ def test_matches_torchtitans_document_ids():
     seq_idx = torch.zeros_like(acc)
     seq_idx[:, 1:] = acc[:, :-1]
     cu = dp.cu_seqlens_from_eos(tokens, eos)
-    assert torch.equal(dp.document_ids(cu, 33), seq_idx)
+    assert torch.equal(dp.data.document_ids(cu, 33), seq_idx)
 
 
 def test_output_feeds_the_op():

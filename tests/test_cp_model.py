@@ -280,8 +280,7 @@ def test_validate_point_flags_a_different_plan_and_document_count():
 def test_validate_point_knows_the_cp_packed_layout():
     """bench_cp.py --packing cp names its layout "lognormal 2k cp-packed": validate regenerates
     the same CP-aware order (it depends on the GPU count) and finds the run's plan."""
-    from doc_packed import pack_order
-    from doc_packed.layout import lognormal_lengths
+    from doc_packed.data import lognormal_lengths, pack_order
 
     S, c = 1 << 14, 4
     got = cp_model.bench_cp_lengths(S, "lognormal 2k cp-packed", c=c)

@@ -20,7 +20,7 @@ from doc_packed.kernels import fa4
 
 def test_plan_context_parallel_is_the_runtime_plan_and_a_value():
     S = 4096
-    cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 300, seed=3)], S)
+    cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, 300, seed=3)], S)
     plan = dp.plan_context_parallel(cu, 4, num_heads=(16, 4))
     assert plan is runtime_plan(get_layout(cu, S), 4, True, -1, 0, 4.0)  # what the runtime runs
     assert plan.query_cost == 4.0 and plan.row_cost == cp.ROW_COST and plan.tolerance == cp.TOLERANCE
@@ -46,7 +46,7 @@ def test_schedule_host_work_runs_no_torch_compute():
             return func(*args, **(kwargs or {}))
 
     S = 32768
-    cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, 2048, seed=b) for b in range(4)], S, max_docs=S // 8)
+    cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, 2048, seed=b) for b in range(4)], S, max_docs=S // 8)
     with Ops():
         layout = get_layout(cu, S)
         for r in range(4):
@@ -108,7 +108,7 @@ def test_no_kernel_kind_beyond_the_warm_up(causal, window):
     for _ in range(50):
         S = rng.choice([512, 2048, 8192])
         mean = rng.choice([8, 64, 300, S])
-        lengths = [dp.lognormal_lengths(S, mean, rng) for _ in range(rng.choice([1, 2]))]
+        lengths = [dp.data.lognormal_lengths(S, mean, rng) for _ in range(rng.choice([1, 2]))]
         cu = dp.cu_seqlens_from_lengths(lengths, S)
         c = rng.choice([2, 4, 8])
         plan = runtime_plan(get_layout(cu, S), c, causal, left, right, 2.0)
@@ -172,7 +172,7 @@ def test_fa4_compiles_nothing_after_warm_up_on_gpu():
     rng = random.Random(0)
     for _ in range(50):
         S = rng.choice([8192, 32768])
-        cu = dp.cu_seqlens_from_lengths([dp.lognormal_lengths(S, rng.choice([64, 512, 2048]), rng)], S)
+        cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, rng.choice([64, 512, 2048]), rng)], S)
         plan = runtime_plan(get_layout(cu, S), 4, True, -1, 0, Hq / Hkv)
         for r in range(4):
             sch = build_schedule(plan, r, dev)

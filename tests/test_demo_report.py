@@ -1,4 +1,4 @@
-"""The demo's report (doc_packed/demo.py) never contradicts itself: context-parallel figures and
+"""The demo's report (doc_packed_examples/demo.py) never contradicts itself: context-parallel figures and
 plots only when attention is sequence-sharded, units on every figure, a one-line note without
 matplotlib; the strategy figure draws the report's own estimates. Built from a real plan, no
 ranks spawned (the demo itself runs in CI)."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import doc_packed as dp
-from doc_packed import demo
+from doc_packed_examples import demo
 
 
 def _result(sequence_sharded: bool, considered=(), break_even=""):

@@ -1,4 +1,4 @@
-"""doc_packed.packing: every document intact and once, rows of seq_len, the document index of
+"""doc_packed.data.packing: every document intact and once, rows of seq_len, the document index of
 every position, balance under the real planner, determinism, streaming, and CP training on
 CP-aware rows against the float64 oracle (gloo)."""
 
@@ -17,8 +17,7 @@ import doc_packed as dp
 from cp_cases import cp_parity
 from doc_packed._mask import prefix_pairs
 from doc_packed.cp.plan import chunk_len
-from doc_packed.layout import lognormal_lengths
-from doc_packed.packing import PAD, pack_documents, pack_order, pack_stream
+from doc_packed.data import PAD, lognormal_lengths, pack_documents, pack_order, pack_stream
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -125,7 +124,7 @@ def test_pack_documents_positions_and_index(seq_len, cp, data):
         got = sorted(out.rows[b, s, 1].item() for b, s in where)
         assert got == list(range(n))
     # cu_seqlens boundaries: no document crosses one, every piece starts one
-    ids = dp.document_ids(out.cu_seqlens, seq_len)
+    ids = dp.data.document_ids(out.cu_seqlens, seq_len)
     for b in range(idx.shape[0]):
         for s in range(1, seq_len):
             same_piece = idx[b, s] == idx[b, s - 1] != PAD and out.rows[b, s, 1] == out.rows[b, s - 1, 1] + 1
@@ -220,9 +219,9 @@ def test_pair_count_is_the_planners():
     order = pack_order(lengths, S, cp_size=c, window_size=(128, 0))
     cu = dp.cu_seqlens_from_lengths(order.lengths, S)
     plan = dp.plan_context_parallel(cu, c, window_size=(128, 0))
-    from doc_packed.packing import _column_loads
+    from doc_packed.data._work import column_loads
 
-    assert _column_loads(order.lengths, S, c, True, 128, 0) == [
+    assert column_loads(order.lengths, S, c, True, 128, 0) == [
         sum(
             prefix_pairs(min(e, (r + 1) * (S // c)) - s, e - s, True, 128, 0)
             - prefix_pairs(max(s, r * (S // c)) - s, e - s, True, 128, 0)
@@ -233,17 +232,17 @@ def test_pair_count_is_the_planners():
         for r in range(c)
     ]
     if max(plan.q_moved_tokens) == 0:
-        assert list(plan.work) == _column_loads(order.lengths, S, c, True, 128, 0)
+        assert list(plan.work) == column_loads(order.lengths, S, c, True, 128, 0)
 
 
 # ---- the vectorised counts ------------------------------------------------------------------------
 @settings(max_examples=100, deadline=None)
 @given(mask=masks, data=st.data())
 def test_vectorised_pair_counts_match_token_by_token(mask, data):
-    """``_prefix_pairs_np`` is ``prefix_pairs`` elementwise, and ``_column_loads`` (cumulative work
+    """``prefix_pairs_np`` is ``prefix_pairs`` elementwise, and ``column_loads`` (cumulative work
     at shard boundaries) equals counting every query's visible keys (``key_bounds``) by hand."""
     from doc_packed._mask import key_bounds
-    from doc_packed.packing import _column_loads, _prefix_pairs_np
+    from doc_packed.data._work import column_loads, prefix_pairs_np
 
     causal, (left, right) = mask
     if causal:
@@ -258,7 +257,7 @@ def test_vectorised_pair_counts_match_token_by_token(mask, data):
         rows.append(row)
     ns = np.array([n for row in rows for n in row] or [0], dtype=np.int64)
     ks = np.array([data.draw(st.integers(-2, int(n) + 1)) for n in ns], dtype=np.int64)
-    got = _prefix_pairs_np(ks, ns, causal, left, right).tolist()
+    got = prefix_pairs_np(ks, ns, causal, left, right).tolist()
     assert got == [prefix_pairs(int(k), int(n), causal, left, right) for k, n in zip(ks, ns)]
     cs = chunk_len(S, c)
     want = [0] * c
@@ -269,7 +268,7 @@ def test_vectorised_pair_counts_match_token_by_token(mask, data):
                 lo, hi = key_bounds(i, n, causal, left, right)
                 want[min((at + i) // cs, c - 1)] += hi - lo + 1
             at += n
-    assert _column_loads(rows, S, c, causal, left, right) == want
+    assert column_loads(rows, S, c, causal, left, right) == want
 
 
 # ---- what the goal cells taught ------------------------------------------------------------------
@@ -413,12 +412,12 @@ def _cell_tokens(rows, lens, cs, c):
 
 
 def test_trades_between_cells_keep_cells_and_straddlers():
-    """_trade_cells (a packing's last resort where its heaviest column is a little over): where
+    """trade_cells (a packing's last resort where its heaviest column is a little over): where
     it returns rows, every document is there once, every cell holds the same tokens, every
     straddling document keeps its place (so ranks need the same keys), the loads it returns are
     the owner-first loads counted token by token, and no rank is above 1.01 of the mean; where
     it returns None, its input is untouched. Rows: documents in random order, nearly balanced."""
-    import doc_packed.packing as P
+    from doc_packed.data import _trades, _work
 
     S, c = 4096, 4
     cs = S // c
@@ -435,15 +434,15 @@ def test_trades_between_cells_keep_cells_and_straddlers():
                 rows.append([])
                 lens.append([])
                 at = 0
-        docs = P._Docs(lengths, True, -1, 0)
-        loads = P._column_loads(lens, S, c, True, -1, 0)
+        docs = _work.Docs(lengths, True, -1, 0)
+        loads = _work.column_loads(lens, S, c, True, -1, 0)
         before = ([list(r) for r in rows], [list(x) for x in lens], list(loads))
-        got = P._trade_cells(rows, lens, loads, docs, S, c)
+        got = _trades.trade_cells(rows, lens, loads, docs, S, c)
         assert (rows, lens, loads) == before
         if got is None:
             continue
         new_rows, new_lens, new_loads = got
-        order = P.PackOrder(new_rows, new_lens, 0)
+        order = dp.data.PackOrder(new_rows, new_lens, 0)
         _check_order(order, lengths, S)
         assert _straddlers(new_rows, new_lens, cs) == _straddlers(rows, lens, cs)
         assert _cell_tokens(new_rows, new_lens, cs, c) == _cell_tokens(rows, lens, cs, c)
@@ -458,11 +457,11 @@ def test_a_pass_sure_to_leave_a_document_out_stops_early(monkeypatch):
     several shards find no place in the 8-row assignment, so every row is packed again on its
     own. A pass stops as soon as a document longer than two shards finds no place (nothing can
     take it later); the rows are exactly those of the passes run to the end."""
-    import doc_packed.packing as P
+    from doc_packed.data import _search
 
     S, B, c = 1 << 17, 8, 64
     lengths = _bench_rows("powerlaw", S, B)
-    orig = P._best_pass
+    orig = _search.best_pass
     stopped = []
 
     def spy(*args, **kwargs):
@@ -470,10 +469,10 @@ def test_a_pass_sure_to_leave_a_document_out_stops_early(monkeypatch):
         stopped.append(out[3] is None and bool(out[2]))
         return out
 
-    monkeypatch.setattr(P, "_best_pass", spy)
+    monkeypatch.setattr(_search, "best_pass", spy)
     fast = pack_order(lengths, S, cp_size=c)
     assert any(stopped), "the case should have a pass that stops early"
-    monkeypatch.setattr(P, "_best_pass", lambda *args, **kwargs: orig(*args[:7], **kwargs))  # bail left at False
+    monkeypatch.setattr(_search, "best_pass", lambda *args, **kwargs: orig(*args[:7], **kwargs))  # bail left at False
     slow = pack_order(lengths, S, cp_size=c)
     assert fast == slow
     _check_order(fast, lengths, S)
@@ -485,24 +484,24 @@ def test_pack_order_tries_one_remedy_after_the_first_packing(monkeypatch):
     (1.028). pack_order then tries no shifted pass (``one_remedy``: a bound on packings run, not
     on time): two packings instead of three, and the rows are those of all three, since the
     shifted pass (1.063) was no better either."""
-    import doc_packed.packing as P
+    from doc_packed.data import _rows, _search
     from bench.cp_model import make_layout
 
     S, B, c = 1 << 17, 8, 32
     layout = make_layout("lognormal-512", S * B, B, 9)
     lengths = [e - s for row in layout.rows for s, e in row]
-    orig = P._pass
+    orig = _search._pass
     passes: list[tuple[bool, bool]] = []  # (shifted, claimed) of every packing run
 
     def spy(*args, **kwargs):
         passes.append((args[9] is not None, args[10]))
         return orig(*args, **kwargs)
 
-    monkeypatch.setattr(P, "_pass", spy)
-    bounded = P._best_pass(lengths, S, c, True, -1, 0, B, True, one_remedy=True)
+    monkeypatch.setattr(_search, "_pass", spy)
+    bounded = _search.best_pass(lengths, S, c, True, -1, 0, B, True, one_remedy=True)
     assert passes == [(False, False), (False, True)]
     passes.clear()
-    full = P._best_pass(lengths, S, c, True, -1, 0, B, True)
+    full = _search.best_pass(lengths, S, c, True, -1, 0, B, True)
     assert passes == [(False, False), (False, True), (True, False)]
     assert bounded == full
     assert max(full[3]) * c > 1.01 * sum(full[3])  # still moves queries (not the point here)
@@ -510,7 +509,7 @@ def test_pack_order_tries_one_remedy_after_the_first_packing(monkeypatch):
     order = pack_order(lengths, S, cp_size=c)
     assert passes == [(False, False), (False, True)]
     _check_order(order, lengths, S)
-    assert order == P._finish(*full[:2], S, c)
+    assert order == _rows.pad_rows(*full[:2], S, c)
 
 
 def test_trades_stop_at_a_work_count(monkeypatch):
@@ -519,31 +518,31 @@ def test_trades_stop_at_a_work_count(monkeypatch):
     1%. Unbounded, all ``_TRADES`` trades run, each re-filling two cells' least-work tables of
     ~128 documents, and none is kept; with the work count (``_TRADE_WORK`` table entries) they
     stop after a few, with the same outcome and the same rows out of pack_order."""
-    import doc_packed.packing as P
+    from doc_packed.data import _search, _trades, _work
     from bench.cp_model import make_layout
 
     S, c = 1 << 20, 16
     lengths = [e - s for row in make_layout("lognormal-512", S, 1, 1).rows for s, e in row]
-    docs = P._Docs(lengths, True, -1, 0)
-    _, (rows, lens, _), loads, _ = P._pass(docs, lengths, S, c, True, -1, 0, 1, True, None, False)
+    docs = _work.Docs(lengths, True, -1, 0)
+    _, (rows, lens, _), loads, _ = _search._pass(docs, lengths, S, c, True, -1, 0, 1, True, None, False)
     assert max(loads) * c > 1.01 * sum(loads)
-    orig = P._least_set
+    orig = _trades._least_set
     trades = [0]
 
     def spy(*args):
         trades[0] += 1
         return orig(*args)
 
-    monkeypatch.setattr(P, "_least_set", spy)
-    bounded = P._trade_cells(rows, lens, loads, docs, S, c)
+    monkeypatch.setattr(_trades, "_least_set", spy)
+    bounded = _trades.trade_cells(rows, lens, loads, docs, S, c)
     n_bounded, trades[0] = trades[0], 0
     order = pack_order(lengths, S, cp_size=c)
-    monkeypatch.setattr(P, "_TRADE_WORK", 1 << 62)
+    monkeypatch.setattr(_trades, "_TRADE_WORK", 1 << 62)
     trades[0] = 0
-    unbounded = P._trade_cells(rows, lens, loads, docs, S, c)
+    unbounded = _trades.trade_cells(rows, lens, loads, docs, S, c)
     assert bounded is None and unbounded is None
-    assert trades[0] == P._TRADES
-    assert 0 < n_bounded < P._TRADES
+    assert trades[0] == _trades._TRADES
+    assert 0 < n_bounded < _trades._TRADES
     assert pack_order(lengths, S, cp_size=c) == order
 
 

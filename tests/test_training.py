@@ -82,7 +82,7 @@ def test_document_losses_match_each_document_alone():
 
 def test_step_flops_match_training_flops():
     """bench's FLOP count is the example model's training_flops, and SwiGLU adds its third matrix."""
-    from doc_packed.examples import Transformer, training_flops
+    from doc_packed_examples.model import Transformer, training_flops
 
     cu = dp.cu_seqlens_from_lengths([[5, 20, 7], [32]], 32, max_docs=8)
     spec = e2e_models.spec_for("example", layers=2, dim=64, checkpoint=False, tiny=True)

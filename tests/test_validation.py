@@ -105,7 +105,7 @@ def test_sequence_shard_without_group_is_an_error():
 def test_layout_helpers():
     cu = dp.cu_seqlens_from_lengths([[3, 0, 2], [7]], 7, max_docs=4)
     assert cu.tolist() == [[0, 3, 5, 7, 7], [0, 7, 7, 7, 7]]
-    assert dp.document_ids(cu, 7).tolist() == [[0, 0, 0, 1, 1, 2, 2], [0] * 7]
+    assert dp.data.document_ids(cu, 7).tolist() == [[0, 0, 0, 1, 1, 2, 2], [0] * 7]
     assert dp.positions(cu, 7).tolist() == [[0, 1, 2, 0, 1, 0, 1], list(range(7))]
     with pytest.raises(ValueError, match="more than seq_len"):
         dp.cu_seqlens_from_lengths([[8]], 7)

@@ -211,7 +211,7 @@ def test_int64_shares_the_int32_layout():
 
 def test_int64_positions_and_document_ids():
     cu = dp.cu_seqlens_from_lengths([[3, 0, 9], [12]], 12, max_docs=4)
-    assert torch.equal(dp.document_ids(cu.long(), 12), dp.document_ids(cu, 12))
+    assert torch.equal(dp.data.document_ids(cu.long(), 12), dp.data.document_ids(cu, 12))
     assert torch.equal(dp.positions(cu.long(), 12), dp.positions(cu, 12))
 
 

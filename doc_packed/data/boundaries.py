@@ -1,26 +1,87 @@
-"""``cu_seqlens`` from what data loaders hold: a document id per token, or EOS tokens.
+"""``cu_seqlens`` in and out: boundaries from what data loaders hold, and per-token metadata
+from boundaries.
 
-Both take one packed sequence ``[S]`` or rows ``[B, S]`` and return int32 boundaries on the
-input's device: ``[N + 1]`` for ``[S]`` (:func:`doc_packed.doc_packed_attn_varlen`'s form),
-``[B, MAX_DOCS + 1]`` for ``[B, S]`` (:func:`doc_packed.doc_packed_attn`'s form), each row
-starting at 0 and ending at ``S``, unused slots repeating ``S``.
+``cu_seqlens`` is ``[B, MAX_DOCS + 1]`` int32: row ``b``'s document boundaries, starting at 0,
+non-decreasing, ending at ``S``; unused trailing slots repeat ``S`` (zero-length documents), so
+every row and every rank sees the same shape. One packed sequence ``[S]`` has ``[N + 1]``
+boundaries (:func:`doc_packed.doc_packed_attn_varlen`'s form).
+
+- :func:`cu_seqlens_from_lengths`: from document lengths per row (host lists).
+- :func:`cu_seqlens_from_document_ids`, :func:`cu_seqlens_from_eos`: from a document id per
+  token, or EOS tokens, on the input's device. Both take ``[S]`` or ``[B, S]`` and return
+  ``[N + 1]`` for ``[S]``, ``[B, MAX_DOCS + 1]`` for ``[B, S]``.
+- :func:`document_ids`, :func:`positions`: each token's document and its position in it (for
+  RoPE), on the device of ``cu_seqlens``, without a host sync.
 
 ``max_docs`` fixes the number of slots so shapes stay the same across steps and ranks (the
 context-parallel plan and compiled graphs key on shapes). Without it, it is the largest count of
-any row. Host reads: one scalar (the largest count, to size the result or to check that it fits
-``max_docs``); on CUDA that is one sync per call (once per batch, not per layer). Everything
-else stays on the device.
+any row. The device builders read one scalar on the host (the largest count, to size the result
+or to check that it fits ``max_docs``); on CUDA that is one sync per call (once per batch, not
+per layer). Everything else stays on the device.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 
-from ._checks import INT32_MAX, describe
+from .._checks import INT32_MAX, describe
 
-__all__ = ["cu_seqlens_from_document_ids", "cu_seqlens_from_eos"]
+__all__ = [
+    "cu_seqlens_from_document_ids",
+    "cu_seqlens_from_eos",
+    "cu_seqlens_from_lengths",
+    "document_ids",
+    "positions",
+]
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def cu_seqlens_from_lengths(
+    lengths: Sequence[Sequence[int]],
+    seq_len: int,
+    *,
+    max_docs: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``cu_seqlens`` ``[B, max_docs + 1]`` from per-row document lengths.
+
+    A row whose lengths sum to less than ``seq_len`` gets one more document holding the rest
+    (padding tokens then attend only to each other). ``max_docs`` defaults to the largest
+    document count of any row; shorter rows are padded with zero-length documents.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
+    rows = []
+    for b, given in enumerate(lengths):
+        try:  # ints, or integer scalars (numpy, 0-d tensors): never truncate 5.5 to 5
+            row = [operator.index(n) for n in given]
+        except TypeError:
+            raise TypeError(f"lengths[{b}] must hold ints (token counts), got {list(given)!r}") from None
+        if any(isinstance(n, bool) for n in given):
+            raise TypeError(f"lengths[{b}] must hold ints (token counts), not bools")
+        if any(n < 0 for n in row):
+            raise ValueError(f"lengths[{b}] has a negative document length: {row}")
+        total = sum(row)
+        if total > seq_len:
+            raise ValueError(f"lengths[{b}] sums to {total}, more than seq_len={seq_len}")
+        if total < seq_len:
+            row.append(seq_len - total)
+        rows.append([n for n in row if n > 0] or [seq_len])
+    if not rows:
+        raise ValueError("lengths must hold at least one row")
+    need = max(len(r) for r in rows)
+    max_docs = need if max_docs is None else max_docs
+    if max_docs < need:
+        raise ValueError(f"max_docs={max_docs} is smaller than the {need} documents of some row")
+    out = torch.full((len(rows), max_docs + 1), seq_len, dtype=torch.int32)
+    for b, row in enumerate(rows):
+        out[b, 0] = 0
+        out[b, 1 : len(row) + 1] = torch.tensor(row, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out.to(device) if device is not None else out
 
 
 def cu_seqlens_from_document_ids(doc_ids: torch.Tensor, *, max_docs: int | None = None) -> torch.Tensor:
@@ -65,6 +126,20 @@ def cu_seqlens_from_eos(
     starts = torch.ones_like(eos)
     starts[:, 1:] = eos[:, :-1]
     return _from_starts(starts, batched, max_docs)
+
+
+def document_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` int64: index of the document each token belongs to (no host sync)."""
+    ends = cu_seqlens[:, 1:].contiguous()
+    t = torch.arange(seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(ends, t.expand(ends.shape[0], seq_len).contiguous(), right=True)
+
+
+def positions(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` int64: each token's position inside its document (for RoPE; no host sync)."""
+    ids = document_ids(cu_seqlens, seq_len)
+    starts = torch.gather(cu_seqlens.long(), 1, ids)
+    return torch.arange(seq_len, device=cu_seqlens.device) - starts
 
 
 def _what(x: object) -> str:

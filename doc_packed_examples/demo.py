@@ -1,6 +1,6 @@
 """End-to-end demo: context-parallel training of a small transformer on packed documents.
 
-    python -m doc_packed.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3] [--free] [--out DIR]
+    python -m doc_packed_examples.demo [--ranks 4] [--seq 2048] [--batch 2] [--steps 3] [--free] [--out DIR]
 
 Spawns CPU processes with a gloo group, packs random documents of arbitrary lengths into rows,
 and trains a small transformer whose attention runs context parallel (each rank holds a
@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doc_packed as dp
-from doc_packed.examples import Attention, Transformer
-from doc_packed.layout import lognormal_lengths
+from doc_packed.data import lognormal_lengths
+from doc_packed_examples.model import Attention, Transformer
 
 MODEL = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
 
@@ -435,7 +435,7 @@ def _greedy_packing(r: Result) -> list[str]:
     pieces = []  # the first step's input documents (n tokens each), split as pack_documents splits
     for n in lognormal_lengths(a.batch * a.seq, a.mean_doc, random.Random(a.seed)):
         pieces += [a.seq] * (n // a.seq) + ([n % a.seq] if n % a.seq else [])
-    cu = dp.cu_seqlens_from_lengths(dp.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
+    cu = dp.cu_seqlens_from_lengths(dp.data.pack_order(pieces, a.seq).lengths[: a.batch], a.seq)
     if cu.shape == r.batches[0][2].shape and torch.equal(cu, r.batches[0][2]):
         return [_row("packing", "first-fit (greedy)")]
     g = _runtime_plan(cu, r.world)
