@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import doc_packed as dp
