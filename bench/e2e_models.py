@@ -252,6 +252,6 @@ def document_losses(token_loss: torch.Tensor, doc_ids: torch.Tensor, num_docs: i
 
 def global_doc_ids(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[B, S]``: each token's document as ``row * MAX_DOCS + doc`` (unique over the batch)."""
-    ids = dp.document_ids(cu_seqlens, seq_len)
+    ids = dp.data.document_ids(cu_seqlens, seq_len)
     max_docs = cu_seqlens.shape[1] - 1
     return ids + max_docs * torch.arange(cu_seqlens.shape[0], device=ids.device)[:, None]
