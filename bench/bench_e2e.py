@@ -174,6 +174,7 @@ def plain_anchor(spec, attns, S, mean_doc, device, dtype, settings, steps, warmu
 
 
 def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) -> dict:
+    torch._dynamo.reset()  # each attention compiles its own model (no recompile limit, nothing kept)
     torch.manual_seed(0)
     with torch.device(device):
         model = models.build(spec, attn)
