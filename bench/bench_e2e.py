@@ -175,6 +175,7 @@ def plain_anchor(spec, attns, S, mean_doc, device, dtype, settings, steps, warmu
 
 
 def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) -> dict:
+    torch._dynamo.reset()  # each attention compiles its own model (no recompile limit, nothing kept)
     torch.manual_seed(0)
     with torch.device(device):
         model = models.build(spec, attn)
@@ -216,17 +217,18 @@ def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) 
 
 
 def _meta_model(spec, dtype):
-    """The model AutoParallel traces (parameters on meta, in ``dtype``) and its buffers' values
-    (RoPE tables: computed on the host as the library computes them, copied in after placement)."""
-    if spec.name in ("hf-llama", "titan-llama"):
-        with models.parameters_on_meta():
-            model = models.build(spec)
-    else:
-        with torch.device("meta"):
-            model = models.build(spec)
+    """The model AutoParallel traces (on meta, parameters in ``dtype``) and its buffers' values
+    (RoPE tables: computed on the host as the library computes them, by a second build whose
+    parameters alone are on meta; copied in after placement)."""
+    with torch.device("meta"):
+        model = models.build(spec)
     for p in model.parameters():
         p.data = p.data.to(dtype)  # parameters only (torchtitan's RoPE table is complex)
-    return model, {name: b.detach().clone() for name, b in model.named_buffers()}
+    buffers = {}
+    if any(True for _ in model.buffers()):
+        with models.parameters_on_meta():
+            buffers = {name: b.detach().clone() for name, b in models.build(spec).named_buffers()}
+    return model, buffers
 
 
 def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path,

@@ -19,7 +19,8 @@ Document boundaries come from the call, first that applies:
 4. a 2-D padding ``attention_mask`` further splits each row where it turns on or off; padding
    tokens get output 0 (as the flash path's unpadding gives).
 
-Per layer it takes what the model passes: GQA (no K/V repeat), ``scaling``, ``sliding_window``
+Under ``torch.autocast`` q, k and v run in the autocast dtype (as autocast runs sdpa, and as
+transformers' flash path casts them). Per layer it takes what the model passes: GQA (no K/V repeat), ``scaling``, ``sliding_window``
 (transformers' window counts the query itself: a window ``W`` sees ``W - 1`` keys back),
 ``softcap`` (Gemma 2) and ``s_aux`` sinks (GPT-OSS). Not supported (ValueError): attention dropout
 > 0, a KV cache past the prompt (queries shorter than keys: generation), ``output_attentions``
@@ -227,6 +228,12 @@ def attention_forward(
         variants["softcap"] = float(softcap)
     if s_aux is not None:
         variants["sinks"] = s_aux
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # autocast runs sdpa in its dtype, and transformers' flash path casts to it: RoPE leaves
+        # q and k in float32 (float32 cos / sin) next to a bf16 v
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views
     B, S = q.shape[:2]
 
