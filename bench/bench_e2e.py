@@ -320,34 +320,34 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
                                 window_size=window, device=device)
         return out
 
-    def like_logits(full, logits):
-        """``full`` ([B, S]) as this rank's logits hold it: in the tokens' placement
-        (constrained), or, left to the solver on a 1-D mesh, told by the local shape."""
+    def like_logits(full, local_shape):
+        """``full`` ([B, S]) as this rank's logits ([b, s] = ``local_shape``) hold it: in the
+        tokens' placement (constrained), or, left to the solver on a 1-D mesh, told by the shape."""
         if out_pl is not None:
             return distribute_tensor(full, mesh, out_pl).to_local()
-        if logits.shape[0] != B:
+        if local_shape[0] != B:
             return full.chunk(world, 0)[rank]
-        if logits.shape[1] != S:
+        if local_shape[1] != S:
             return full.chunk(world, 1)[rank]
         return full
 
     last: dict = {}
 
     def step(i, n):
-        tokens, targets, cu_full = batches[i]
+        tokens, targets, _ = batches[i]
         lc = ready.pop(i) if i in ready else local_cu(i)
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
         logits = model(lt, lc)
         if i + 1 < n:  # the next batch's host work while this step's is queued
             ready[i + 1] = local_cu(i + 1)
         tok_loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), like_logits(targets, logits).flatten(), reduction="none"
+            logits.flatten(0, 1).float(), like_logits(targets, logits.shape).flatten(), reduction="none"
         )
         loss = tok_loss.mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        last.update(tok_loss=tok_loss, doc_ids=like_logits(models.global_doc_ids(cu_full, S).to(device), logits))
+        last.update(tok_loss=tok_loss.detach(), step=i, shape=logits.shape[:2])  # per document, after timing
         return loss
 
     timed: dict[str, dict] = {}
@@ -379,7 +379,9 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
         after = dp.cp.runtime_counts()
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
-        per_doc = models.document_losses(last["tok_loss"], last["doc_ids"], B * max_docs, group=dist.group.WORLD)
+        tok_loss = last["tok_loss"]
+        doc_ids = like_logits(models.global_doc_ids(batches[last["step"]][2], S).to(device), last["shape"])
+        per_doc = models.document_losses(tok_loss, doc_ids, B * max_docs, group=dist.group.WORLD)
         timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss.detach()),
                                    doc_loss=doc_loss_stats(per_doc.cpu()), host={k: after[k] - before[k] for k in after})
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
