@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -139,7 +140,9 @@ def make_batches(n, spec, B, S, mean_doc, device, seed=0):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, spec.cfg["vocab"], (B, S), generator=g)
         targets = torch.randint(0, spec.cfg["vocab"], (B, S), generator=g)
-        cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=S // 8)
+        cu = dp.cu_seqlens_from_lengths(
+            [lognormal_lengths(S, mean_doc, 1000 * step + b) for b in range(B)], S, max_docs=S // 8
+        )
         batches.append((tokens.to(device), targets.to(device), cu))
     return batches
 
@@ -187,13 +190,16 @@ def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) 
     out: dict = {}
     # doc_packed compiles whole (no graph breaks); another attention as its library compiles it
     for kind, m in (("eager", model), ("compiled", torch.compile(model, fullgraph=attn == "doc_packed"))):
+
         def step(i):
             tokens, targets, cu = batches[i]
             # doc_packed: validated, on the device, registered; theirs: the library's masks
             cu = dp.cp.prepare(cu, None, device=device) if attn == "doc_packed" else cu.to(device)
             with settings.autocast(device):
                 logits = m(*call(tokens, cu))
-            tok_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+            tok_loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), reduction="none"
+            )
             tok_loss.mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -231,12 +237,33 @@ def _meta_model(spec, dtype):
     return model, buffers
 
 
-def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, compile_backend, gpus_per_host, rates_path,
-             thread_settings, use_prepare, settings):
+def run_mode(
+    mode,
+    mesh,
+    spec,
+    B,
+    S,
+    mean_doc,
+    device,
+    dtype,
+    steps,
+    warmup,
+    compile_backend,
+    gpus_per_host,
+    rates_path,
+    thread_settings,
+    use_prepare,
+    settings,
+):
     from autoparallel.api import AutoParallel
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
+    from shardings.autoparallel import (
+        cost_model_for,
+        describe_attention,
+        force_attention_layout,
+        lower_context_parallel,
+    )
     from shardings.compile import compile_placed
     from shardings.costs import pricing
     from shardings.step_model import Layout, Rates, Topology, price_placement
@@ -247,7 +274,10 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
     batches = make_batches(warmup + steps, spec, B, S, mean_doc, device)
 
     def input_fn():
-        return (torch.randint(0, spec.cfg["vocab"], (B, S), device=device), torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device))
+        return (
+            torch.randint(0, spec.cfg["vocab"], (B, S), device=device),
+            torch.zeros(B, max_docs + 1, dtype=torch.int32, device=device),
+        )
 
     cu_host = batches[0][2].cpu()  # real tensors must be read before AutoParallel's fake mode
     model, buffers = _meta_model(spec, settings.param_dtype(dtype))
@@ -316,8 +346,14 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
             return cu.to(device)
         out = dp.cp.prepare(cu, None, device=device)
         for group, heads, causal, window in cp_calls:
-            out = dp.cp.prepare(out if device.type != "cpu" else cu, group, num_heads=heads, causal=causal,
-                                window_size=window, device=device)
+            out = dp.cp.prepare(
+                out if device.type != "cpu" else cu,
+                group,
+                num_heads=heads,
+                causal=causal,
+                window_size=window,
+                device=device,
+            )
         return out
 
     def like_logits(full, local_shape):
@@ -352,7 +388,7 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
 
     timed: dict[str, dict] = {}
     first_s = 0.0
-    for j, threads in enumerate(thread_settings):
+    for j, (threads, gc_mode) in enumerate(thread_settings):
         torch.set_num_threads(threads)
         if j:  # each setting gets layouts of its own (new ones every step: nothing planned before)
             batches[:] = make_batches(warmup + steps, spec, B, S, mean_doc, device, seed=1000 * j)
@@ -368,30 +404,70 @@ def run_mode(mode, mesh, spec, B, S, mean_doc, device, dtype, steps, warmup, com
         # or plans on the critical path shows up as an outlier
         before = dp.cp.runtime_counts()
         marks: list = []
+        host: list[float] = []  # host seconds each step took to queue
+        pauses: list[tuple[float, int]] = []
+        if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
+            gc.collect()
+            gc.freeze()
         t0 = time.perf_counter()
-        for i in range(warmup, warmup + steps):
+        with _GcPauses() as seen:
+            for i in range(warmup, warmup + steps):
+                marks.append(_mark(device))
+                h0 = time.perf_counter()
+                loss = step(i, warmup + steps)
+                host.append(time.perf_counter() - h0)
+                pauses.append(seen.take())
             marks.append(_mark(device))
-            loss = step(i, warmup + steps)
-        marks.append(_mark(device))
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
         after = dp.cp.runtime_counts()
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
+        every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
+        dist.all_gather_object(every, (host, pauses))
+        host_max = [max(r[0][k] for r in every) for k in range(steps)]
+        gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
+        gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
+        if gc_mode == "freeze":
+            gc.unfreeze()
         tok_loss = last["tok_loss"]
         doc_ids = like_logits(models.global_doc_ids(batches[last["step"]][2], S).to(device), last["shape"])
         per_doc = models.document_losses(tok_loss, doc_ids, B * max_docs, group=dist.group.WORLD)
-        timed[str(threads)] = dict(step_s=dt, tokens_per_s=B * S / dt, step_times_s=per_step, loss=float(loss.detach()),
-                                   doc_loss=doc_loss_stats(per_doc.cpu()), host={k: after[k] - before[k] for k in after})
+        timed[f"{threads}" + (", gc frozen" if gc_mode == "freeze" else "")] = dict(
+            step_s=dt,
+            tokens_per_s=B * S / dt,
+            step_times_s=per_step,
+            host_s_max=host_max,
+            gc_s_max=gc_max,
+            gc_generation=gc_gen,
+            loss=float(loss.detach()),
+            doc_loss=doc_loss_stats(per_doc.cpu()),
+            host={k: after[k] - before[k] for k in after},
+        )
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
-    head = timed[str(thread_settings[0])]
-    res = dict(mode=mode, compile=str(choice), step_s=head["step_s"], tokens_per_s=head["tokens_per_s"], plan_s=plan_s,
-               warmup_s=first_s, flops=step_flops(spec, batches[warmup:], S), loss=head["loss"],
-               doc_loss=head["doc_loss"], attention=layout, inputs=[str(p) for p in in_pl[-2:]], max_mem_GiB=mem,
-               cp=[c.cp for c in choices if c.cp][:1], predicted_step_s=predicted.total_us * 1e-6,
-               predicted=str(predicted), step_times_s=head["step_times_s"], threads=timed, prepare=use_prepare)
+    head = next(iter(timed.values()))
+    res = dict(
+        mode=mode,
+        compile=str(choice),
+        step_s=head["step_s"],
+        tokens_per_s=head["tokens_per_s"],
+        plan_s=plan_s,
+        warmup_s=first_s,
+        flops=step_flops(spec, batches[warmup:], S),
+        loss=head["loss"],
+        doc_loss=head["doc_loss"],
+        attention=layout,
+        inputs=[str(p) for p in in_pl[-2:]],
+        max_mem_GiB=mem,
+        cp=[c.cp for c in choices if c.cp][:1],
+        predicted_step_s=predicted.total_us * 1e-6,
+        predicted=str(predicted),
+        step_times_s=head["step_times_s"],
+        threads=timed,
+        prepare=use_prepare,
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -419,11 +495,44 @@ def _cp_calls(gm, cfg) -> list[tuple[str, tuple[int, int], bool, tuple[int, int]
         group = arg("cp_group")
         if group is None:
             continue
-        call = (group, (cfg["n_heads"], cfg["n_kv_heads"]), bool(arg("causal")),
-                (int(arg("window_left")), int(arg("window_right"))))
+        call = (
+            group,
+            (cfg["n_heads"], cfg["n_kv_heads"]),
+            bool(arg("causal")),
+            (int(arg("window_left")), int(arg("window_right"))),
+        )
         if call not in out:
             out.append(call)
     return out
+
+
+class _GcPauses:
+    """Python's cyclic garbage collections seen by this process: (generation, seconds) of each,
+    gathered per timed step (a collection over AutoParallel's long-lived graphs stalls a rank,
+    and a stalled rank stalls every collective of the step)."""
+
+    def __init__(self):
+        self.log: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.log.append((info["generation"], time.perf_counter() - self._t0))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+    def take(self) -> tuple[float, int]:
+        """Seconds spent collecting since the last take, and the oldest generation collected (-1: none)."""
+        out = (sum(s for _, s in self.log), max((g for g, _ in self.log), default=-1))
+        self.log.clear()
+        return out
 
 
 def _mark(device):
@@ -443,6 +552,8 @@ def worker(rank, world, port, args):
     launched_threads = torch.get_num_threads()  # what the launcher left: spawn = the host's width
     settings = {"both": (launched_threads, 1), "launched": (launched_threads,), "1": (1,)}[args.threads]
     settings = tuple(dict.fromkeys(settings))  # one entry when the launcher already gave one thread
+    gc_modes = {"default": ("default",), "freeze": ("freeze",), "both": ("default", "freeze")}[args.gc]
+    settings = tuple((t, g) for g in gc_modes for t in settings)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     patch_autoparallel_for_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -455,8 +566,9 @@ def worker(rank, world, port, args):
         device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
     spec = models.spec_for(args.model, layers=args.layers, dim=args.dim, checkpoint=args.ac, tiny=args.cpu_dry_run)
     real = args.model != "example"  # the real-settings runs: AdamW, bf16 mixed precision
-    train = Settings(optim=args.optim or ("adamw" if real else "sgd"), mp=args.mp or ("bf16" if real else "off"),
-                     lr=args.lr)
+    train = Settings(
+        optim=args.optim or ("adamw" if real else "sgd"), mp=args.mp or ("bf16" if real else "off"), lr=args.lr
+    )
     defaults = models.DEFAULT_ANCHOR_CPU if args.cpu_dry_run else models.DEFAULT_ANCHOR
     attns = args.attn.split(",") if args.attn else defaults[args.model].split(",")
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"  # torchrun: its rendezvous
@@ -471,8 +583,24 @@ def worker(rank, world, port, args):
     rows = []
     for mode in args.modes.split(","):
         try:
-            r = run_mode(mode, mesh, spec, args.batch, args.seq, args.mean_doc, device, dtype, args.steps, args.warmup,
-                         args.compile, args.gpus_per_host or world, args.rates, settings, not args.no_prepare, train)
+            r = run_mode(
+                mode,
+                mesh,
+                spec,
+                args.batch,
+                args.seq,
+                args.mean_doc,
+                device,
+                dtype,
+                args.steps,
+                args.warmup,
+                args.compile,
+                args.gpus_per_host or world,
+                args.rates,
+                settings,
+                not args.no_prepare,
+                train,
+            )
         except Exception as e:  # report and go on with the next mode
             import traceback
 
@@ -482,8 +610,12 @@ def worker(rank, world, port, args):
         rows.append(r)
     if rank == 0:
         peak = args.peak_tflops * 1e12
-        print(f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}")
-        print(f"model: {args.model} {spec.cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}")
+        print(
+            f"\ndevice: {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}  torch {torch.__version__}"
+        )
+        print(
+            f"model: {args.model} {spec.cfg}  B={args.batch} S={args.seq} lognormal docs mean {args.mean_doc}  {dtype}"
+        )
         print(f"training: {train}; activation checkpointing {'on' if args.ac else 'off'}")
         print(f"mesh: {tuple(mesh.shape)} {mesh.mesh_dim_names}; MFU peak {args.peak_tflops:g} TFLOP/s per GPU")
         if anchor:
@@ -493,18 +625,24 @@ def worker(rank, world, port, args):
                     continue
                 for kind in ("eager", "compiled"):
                     d = a[kind + "_doc_loss"]
-                    print(f"one GPU, plain model {kind}, attention {attn}: [1, {args.seq}] {a[kind + '_step_s']:.3f} "
-                          f"s/step, {a[kind + '_tokens_per_s']:.0f} tokens/s, MFU "
-                          f"{anchor['flops'] / a[kind + '_step_s'] / peak:.2f}, loss per document {d['mean']:.4f} "
-                          f"(min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)")
+                    print(
+                        f"one GPU, plain model {kind}, attention {attn}: [1, {args.seq}] {a[kind + '_step_s']:.3f} "
+                        f"s/step, {a[kind + '_tokens_per_s']:.0f} tokens/s, MFU "
+                        f"{anchor['flops'] / a[kind + '_step_s'] / peak:.2f}, loss per document {d['mean']:.4f} "
+                        f"(min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)"
+                    )
             if "eager_step_s" not in anchor:
                 anchor = None  # doc_packed's own anchor failed: no per-GPU columns
         launcher = "torchrun" if port is None else "torch.multiprocessing.spawn"
-        print(f"launcher: {launcher}; intra-op threads as launched: {launched_threads}; "
-              f"cu_seqlens {'prepared a step ahead' if not args.no_prepare else 'moved in the step'}")
-        print("| mode | threads | attention layout (fwd) | inputs (tokens, cu) | step ms | slowest / median | per GPU vs "
-              "plain eager | vs plain compiled | MFU | predicted ms | measured / predicted | schedules built in "
-              "calls, device reads per step | vs launched threads |")
+        print(
+            f"launcher: {launcher}; intra-op threads as launched: {launched_threads}; "
+            f"cu_seqlens {'prepared a step ahead' if not args.no_prepare else 'moved in the step'}"
+        )
+        print(
+            "| mode | threads | attention layout (fwd) | inputs (tokens, cu) | step ms | slowest / median | per GPU vs "
+            "plain eager | vs plain compiled | MFU | predicted ms | measured / predicted | schedules built in "
+            "calls, device reads per step | vs launched threads |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
@@ -519,13 +657,28 @@ def worker(rank, world, port, args):
                 mfu = r["flops"] / t["step_s"] / (world * peak)
                 host = ", ".join(f"{t['host'][k] / args.steps:.1f}" for k in ("schedules_in_calls", "device_reads"))
                 first = first or t["step_s"]
-                print(f"| {r['mode']} | {threads} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
-                      f"| {1e3 * t['step_s']:.1f} | {times[-1] / median:.2f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
-                      f"| {1e3 * r['predicted_step_s']:.1f} | {t['step_s'] / r['predicted_step_s']:.2f} | {host} "
-                      f"| {t['step_s'] / first:.2f} |")
+                print(
+                    f"| {r['mode']} | {threads} | {r['attention'].get('forward')} | {', '.join(r['inputs'])} "
+                    f"| {1e3 * t['step_s']:.1f} | {times[-1] / median:.2f} | {vs[0]} | {vs[1]} | {mfu:.2f} "
+                    f"| {1e3 * r['predicted_step_s']:.1f} | {t['step_s'] / r['predicted_step_s']:.2f} | {host} "
+                    f"| {t['step_s'] / first:.2f} |"
+                )
         for r in rows:
             for threads, t in r.get("threads", {}).items():
-                print(f"{r['mode']} ({threads} threads): step times ms " + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"]))
+                print(
+                    f"{r['mode']} ({threads} threads): step times ms "
+                    + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"])
+                )
+                print(
+                    "    host ms to queue the step (slowest rank) "
+                    + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
+                )
+                print(
+                    "    gc pause ms (slowest rank; oldest generation) "
+                    + " ".join(
+                        f"{1e3 * x:.1f}({g})" if g >= 0 else "-" for x, g in zip(t["gc_s_max"], t["gc_generation"])
+                    )
+                )
         if anchor and len(anchor["attentions"]) > 1:  # the placed step against each library attention's
             for r in rows:
                 for threads, t in r.get("threads", {}).items():
@@ -536,13 +689,25 @@ def worker(rank, world, port, args):
         for r in rows:
             for threads, t in r.get("threads", {}).items():
                 d = t["doc_loss"]
-                print(f"{r['mode']} ({threads} threads): last step's loss {t['loss']:.4f} (token mean), per document "
-                      f"{d['mean']:.4f} (min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)")
+                print(
+                    f"{r['mode']} ({threads} threads): last step's loss {t['loss']:.4f} (token mean), per document "
+                    f"{d['mean']:.4f} (min {d['min']:.4f}, max {d['max']:.4f}, {d['docs']} documents)"
+                )
         for r in rows:
             if "predicted" in r:
                 print(f"{r['mode']}: step model {r['predicted']}")
-        rows.insert(0, dict(anchor=anchor, world=world, peak_tflops=args.peak_tflops, model=args.model, cfg=spec.cfg,
-                            training=str(train), ac=args.ac))
+        rows.insert(
+            0,
+            dict(
+                anchor=anchor,
+                world=world,
+                peak_tflops=args.peak_tflops,
+                model=args.model,
+                cfg=spec.cfg,
+                training=str(train),
+                ac=args.ac,
+            ),
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -568,20 +733,42 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")
     ap.add_argument("--gpus-per-host", type=int, default=None, help="GPUs per host for the cost model (default: all)")
     ap.add_argument("--rates", default=None, help="rates file of the step model (default shardings/h200_rates.json)")
-    ap.add_argument("--threads", default="both", choices=["both", "launched", "1"],
-                    help="time each mode with the launcher's intra-op threads and/or one thread")
+    ap.add_argument(
+        "--threads",
+        default="both",
+        choices=["both", "launched", "1"],
+        help="time each mode with the launcher's intra-op threads and/or one thread",
+    )
+    ap.add_argument(
+        "--gc",
+        default="default",
+        choices=["default", "freeze", "both"],
+        help="Python's garbage collector in the timed steps: as the process has it, and/or frozen "
+        "(gc.freeze() once the model is placed: long-lived objects no longer walked)",
+    )
     ap.add_argument("--no-prepare", action="store_true", help="move each step's cu_seqlens in the step (no prepare)")
-    ap.add_argument("--model", default="example", choices=models.MODELS,
-                    help="example (dim from --dim), or Llama-3-8B-shaped: llama8b, hf-llama, titan-llama (--layers)")
-    ap.add_argument("--attn", default=None,
-                    help="the anchor's attentions, comma-separated (default: doc_packed, and for hf-llama "
-                         "sdpa,flex_attention, for titan-llama varlen,flex); any of "
-                         + "; ".join(f"{m}: {','.join(a)}" for m, a in models.ATTENTIONS.items() if len(a) > 1))
+    ap.add_argument(
+        "--model",
+        default="example",
+        choices=models.MODELS,
+        help="example (dim from --dim), or Llama-3-8B-shaped: llama8b, hf-llama, titan-llama (--layers)",
+    )
+    ap.add_argument(
+        "--attn",
+        default=None,
+        help="the anchor's attentions, comma-separated (default: doc_packed, and for hf-llama "
+        "sdpa,flex_attention, for titan-llama varlen,flex); any of "
+        + "; ".join(f"{m}: {','.join(a)}" for m, a in models.ATTENTIONS.items() if len(a) > 1),
+    )
     ap.add_argument("--optim", default=None, choices=["sgd", "adamw"], help="default: adamw, sgd for --model example")
-    ap.add_argument("--mp", default=None, choices=["off", "bf16"],
-                    help="bf16: float32 parameters, bf16 compute, float32 gradient reduction (AutoParallel's "
-                         "MixedPrecisionPolicy); off: parameters in bf16 (GPU) / float32 (CPU). "
-                         "Default: bf16, off for --model example")
+    ap.add_argument(
+        "--mp",
+        default=None,
+        choices=["off", "bf16"],
+        help="bf16: float32 parameters, bf16 compute, float32 gradient reduction (AutoParallel's "
+        "MixedPrecisionPolicy); off: parameters in bf16 (GPU) / float32 (CPU). "
+        "Default: bf16, off for --model example",
+    )
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (SGD), 8e-4 (AdamW)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing: every block recomputed")
     ap.add_argument("--json", default=None)
