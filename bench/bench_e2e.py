@@ -406,6 +406,7 @@ def run_mode(
         marks: list = []
         host: list[float] = []  # host seconds each step took to queue
         pauses: list[tuple[float, int]] = []
+        compiled: list[int] = []  # FA4 kernels compiled during each step (0 after the warm-up)
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
             gc.collect()
             gc.freeze()
@@ -413,9 +414,10 @@ def run_mode(
         with _GcPauses() as seen:
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
-                h0 = time.perf_counter()
+                h0, k0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"]
                 loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
+                compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
                 pauses.append(seen.take())
             marks.append(_mark(device))
         if device.type == "cuda":
@@ -425,10 +427,11 @@ def run_mode(
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
-        dist.all_gather_object(every, (host, pauses))
+        dist.all_gather_object(every, (host, pauses, compiled))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
+        compiled_max = [max(r[2][k] for r in every) for k in range(steps)]
         if gc_mode == "freeze":
             gc.unfreeze()
         tok_loss = last["tok_loss"]
@@ -441,6 +444,7 @@ def run_mode(
             host_s_max=host_max,
             gc_s_max=gc_max,
             gc_generation=gc_gen,
+            kernels_compiled_max=compiled_max,
             loss=float(loss.detach()),
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host={k: after[k] - before[k] for k in after},
@@ -673,6 +677,7 @@ def worker(rank, world, port, args):
                     "    host ms to queue the step (slowest rank) "
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
                 )
+                print("    FA4 kernels compiled (most on a rank) " + " ".join(map(str, t["kernels_compiled_max"])))
                 print(
                     "    gc pause ms (slowest rank; oldest generation) "
                     + " ".join(

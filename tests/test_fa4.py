@@ -468,3 +468,27 @@ def test_env_report_says_whether_forward_replay_is_on(monkeypatch):
     assert "launch replay (forward and backward) on" in env.report()
     monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
     assert "launch replay (forward and backward) off (DOC_PACKED_FA4_REPLAY=0)" in env.report()
+
+
+def test_compiled_kernels_counts_fa4_compile_cache_entries(monkeypatch):
+    """runtime_counts()["kernels_compiled"] follows the entries of FA4's compile caches (what a
+    bench reads per step to see a compile on the critical path), and is 0 before FA4 loads."""
+    monkeypatch.delitem(sys.modules, fa4.MODULE, raising=False)
+    assert fa4.compiled_kernels() == 0 == dp.cp.runtime_counts()["kernels_compiled"]
+
+    class Cache:
+        def __init__(self):
+            self.cache = {}
+
+    def entry():
+        pass
+
+    fwd, bwd = entry, lambda: None
+    fwd.compile_cache, bwd.compile_cache = Cache(), Cache()
+    mod = types.ModuleType(fa4.MODULE)
+    mod._flash_attn_fwd, mod._flash_attn_bwd, mod.helper = fwd, bwd, len
+    monkeypatch.setitem(sys.modules, fa4.MODULE, mod)
+    fwd.compile_cache.cache[("causal", 128)] = object()
+    assert fa4.compiled_kernels() == 1
+    bwd.compile_cache.cache.update({1: 0, 2: 0})
+    assert dp.cp.runtime_counts()["kernels_compiled"] == 3

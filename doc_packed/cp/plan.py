@@ -18,10 +18,10 @@ counted exactly: a run of queries costs its number of visible (query, key) pairs
    each call spans (FA4: pre- and post-processing per query row, one backward program per 128
    keys and query head), so a rank whose queries read remote keys, or that took moved runs,
    costs more than its pairs. The plan of step 2 prices each rank's extra rows in pairs
-   (:class:`RowCost`); step 2 runs again with half and with all of those as fixed per-rank
-   loads, so ranks with more rows end with fewer pairs, and the plan whose busiest rank is
-   cheapest in pairs plus priced rows is kept; the first one unless a re-plan beats it by 3%
-   (moved runs bring rows of their own, and bytes). docs/context_parallel.md, "Balancing time".
+   (:class:`RowCost`); step 2 runs again with those as fixed per-rank loads, so ranks with more
+   rows end with fewer pairs, and the plan whose busiest rank is cheapest in pairs plus priced
+   rows is kept; the first one unless the re-plan beats it by 3% (moved runs bring rows of their
+   own, and bytes). docs/context_parallel.md, "Balancing time".
 
 The result keeps documents together and queries at or next to their owners; a rank receives
 each key it needs once, and only keys its queries see. The plan depends only on the layout,
@@ -55,7 +55,10 @@ __all__ = [
 
 # Allowed work imbalance over the mean: what the runtime plans with.
 TOLERANCE = 0.01
-_ROW_STEPS = (0.5, 1.0)  # fractions of the priced rows given as fixed loads, each tried once
+# fractions of the priced rows given as fixed loads, each tried once: half of them was also
+# tried until it won 3 of 300 random layouts (CP 2 and 4, 32k-128k) for one more balance pass
+# (~0.75 ms of host time) per layout
+_ROW_STEPS = (1.0,)
 # a re-plan must beat the pairs-only plan's busiest priced rank by this much: the row prices'
 # fit is 2.7% off per rank on average, and moved queries cost exchange bytes it does not price
 _ROW_MARGIN = 0.03
@@ -223,6 +226,7 @@ class _Planner:
         self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
         self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
+        self._done: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
         self.load = [0] * cp_size
         for b, docs in enumerate(layout_rows):
             for d, (ds, de) in enumerate(docs):
@@ -249,6 +253,7 @@ class _Planner:
         for p in new.pieces:
             new.by_rank[p[4]].append(p)
         new.offsets = list(offsets)
+        new._done = None
         new.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
         new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
         return new
@@ -308,7 +313,10 @@ class _Planner:
         return parts
 
     def _new_keys(self, r: int, b: int, s: int, e: int) -> int:
-        have = self.fetched[r].get(b, ())
+        have = self.fetched[r].get(b)
+        if not have:  # nothing fetched yet in this row: every key outside the shard is new
+            os_, oe = self.owned[r]
+            return max(0, min(e, os_) - s) + max(0, e - max(s, oe))
         n = 0
         for ps, pe in self._outside_owned(r, s, e):
             n += pe - ps
@@ -341,6 +349,7 @@ class _Planner:
         return range(s // self.cs, min(self.c, (e - 1) // self.cs + 1))
 
     def balance(self) -> None:
+        self._done = None
         total = sum(self.load)
         if total == 0 or self.c == 1:
             return
@@ -389,16 +398,18 @@ class _Planner:
                 if self.load[t] < mean:
                     heapq.heappush(heap, (-(mean - self.load[t]), t))
 
+    def _density(self, p: list) -> float:
+        """Work per query of piece ``p``."""
+        return self._work(p[3], p[1], p[2]) / (p[2] - p[1])
+
     def _best_move(self, h, excess, mean, receivers):
         own = [p for p in self.by_rank[h] if p[2] > p[1]]
         if not own:
             return None
-        density = lambda p: self._work(p[3], p[1], p[2]) / (p[2] - p[1])  # noqa: E731
-        cands = heapq.nlargest(_TOP_PIECES, own, key=density)
+        cands = heapq.nlargest(_TOP_PIECES, own, key=self._density)
         # runs continuing a document from the previous shard: that shard holds their prefix
-        for p in own:
-            if p[1] == self.owned[h][0] and p[3].start < p[1] and p not in cands:
-                cands.append(p)
+        first, chosen = self.owned[h][0], {id(p) for p in cands}
+        cands += [p for p in own if p[1] == first and p[3].start < p[1] and id(p) not in chosen]
         best, best_score = None, float("inf")
         for p in cands:
             b, a, e, doc, _ = p
@@ -431,13 +442,14 @@ class _Planner:
         keys and its queries again as merged rows; a moved-in part adds its queries and the
         span of keys it sees."""
         q = k = m = 0
+        os_, oe = self.owned[r]
         for _, a, e, doc, _ in runs:
             while a < e:
                 o = a // self.cs
                 pe = min(e, (o + 1) * self.cs)
                 ks, ke = self._key_range(doc, a, pe)
                 if o == r:
-                    remote = sum(y - x for x, y in self._outside_owned(r, ks, ke))
+                    remote = max(0, min(ke, os_) - ks) + max(0, ke - max(ks, oe))
                     if remote:
                         q, k, m = q + pe - a, k + remote, m + pe - a
                 else:
@@ -464,20 +476,27 @@ class _Planner:
         """Per rank, the pairs it computes (its load without the fixed offsets)."""
         return tuple(w - o for w, o in zip(self.load, self.offsets))
 
+    def _runs_and_rows(self) -> tuple[list[list[list]], list[tuple[int, int, int]]]:
+        """:meth:`_merged` and each rank's :meth:`_extra_rows`, computed once for a balanced
+        planner (:meth:`priced_rows` and :meth:`result` both read them)."""
+        if self._done is None:
+            merged = self._merged()
+            self._done = merged, [self._extra_rows(r, runs) for r, runs in enumerate(merged)]
+        return self._done
+
     def priced_rows(self, cost: RowCost) -> list[int]:
         """Per rank, its extra rows priced by ``cost``, without building the plan."""
-        return [_price(self._extra_rows(r, runs), cost) for r, runs in enumerate(self._merged())]
+        return [_price(rows, cost) for rows in self._runs_and_rows()[1]]
 
     def result(self, window, row_cost: RowCost | None) -> ContextParallelPlan:
         segments: list[list[Segment]] = []
-        extra_rows: list[tuple[int, int, int]] = []
-        for r, merged in enumerate(self._merged()):
+        all_merged, extra_rows = self._runs_and_rows()
+        for merged in all_merged:
             segs = []
             for b, a, e, doc, _ in merged:
                 ks, ke = self._key_range(doc, a, e)
                 segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
             segments.append(segs)
-            extra_rows.append(self._extra_rows(r, merged))
         work = self.work()
         q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
         for r in range(self.c):
@@ -536,6 +555,11 @@ class _CausalPlanner(_Planner):
 
     def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
         return doc.start, e
+
+    def _density(self, p: list) -> float:
+        # pairs / queries of a causal run [i0, i1) is (i0 + i1 + 1) / 2, exactly (the pairs are
+        # (i1 - i0)(i0 + i1 + 1) / 2): the same floats, so the same order, as the base class's
+        return (p[1] + p[2] - 2 * p[3].start + 1) / 2
 
     def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
         i0, i1 = a - doc.start, e - doc.start

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _doc_layout
+from ..kernels import fa4
 from .._checks import check_cu_seqlens, check_window
 from . import attention, comm
 from .plan import ContextParallelPlan, query_cost_of
@@ -102,10 +103,17 @@ def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) 
 def runtime_counts() -> dict[str, int]:
     """What this process's context-parallel calls cost the host so far: ``schedules`` built
     (a plan and one rank's schedule each, :func:`prepare`'s included), ``schedules_in_calls``
-    (those an attention call had to build: its layout was not prepared) and ``device_reads`` of
-    a ``cu_seqlens`` that nothing had registered (each one a device sync)."""
+    (those an attention call had to build: its layout was not prepared), ``device_reads`` of
+    a ``cu_seqlens`` that nothing had registered (each one a device sync) and FA4's
+    ``kernels_compiled`` (:func:`doc_packed.kernels.fa4.compiled_kernels`; none after the
+    warm-up is the contract)."""
     built, in_calls = attention.schedules_built()
-    return {"schedules": built, "schedules_in_calls": in_calls, "device_reads": _doc_layout.device_reads()}
+    return {
+        "schedules": built,
+        "schedules_in_calls": in_calls,
+        "device_reads": _doc_layout.device_reads(),
+        "kernels_compiled": fa4.compiled_kernels(),
+    }
 
 
 def _seq_len(cu: torch.Tensor) -> int:

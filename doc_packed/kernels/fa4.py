@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 import warnings
 
 import torch
@@ -202,6 +203,17 @@ MAX_SEQLEN_FLOOR = 256
 # ... and more than this many segments (empty ones too) selects another scheduler path: both
 # are built once by doc_packed.cp's warm-up.
 MANY_SEGMENTS = 256
+
+
+def compiled_kernels() -> int:
+    """Kernels FA4 has compiled in this process so far (the entries of its interface's compile
+    caches); 0 while FA4 is not imported. A count that grows inside a training step is a
+    compile on the critical path (seconds each): :func:`doc_packed.cp.runtime_counts`."""
+    mod = sys.modules.get(MODULE)
+    if mod is None:
+        return 0
+    caches = (getattr(f, "__dict__", {}).get("compile_cache") for f in vars(mod).values() if callable(f))
+    return sum(len(getattr(c, "cache", {})) for c in caches if c is not None)
 
 
 def mask_class(spec: VarlenSpec) -> tuple[bool, bool, bool]:
