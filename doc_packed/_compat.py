@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,16 +57,21 @@ if _torch_version() < MIN_TORCH:
     )
 
 
-def private(module: str, name: str) -> Any:
-    """``module.name``, or :class:`PrivateAPIError` saying what is missing and where it was seen."""
+def private(module: str, name: str, missing: Callable[[Exception], str] | None = None) -> Any:
+    """``module.name``, or :class:`PrivateAPIError` saying what is missing and where it was seen:
+    ``missing(error)`` words it (default: a torch name, with the versions it was checked on)."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise PrivateAPIError(
-            f"doc_packed uses torch's private {module}.{name}, checked on torch "
-            f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err}). "
-            "See docs/private_apis.md."
-        ) from err
+        if missing is None:
+            message = (
+                f"doc_packed uses torch's private {module}.{name}, checked on torch "
+                f"{', '.join(CHECKED_TORCH)}; torch {torch.__version__} does not have it ({err}). "
+                "See docs/private_apis.md."
+            )
+        else:
+            message = missing(err)
+        raise PrivateAPIError(message) from err
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

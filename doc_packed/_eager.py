@@ -33,12 +33,9 @@ def takes_eager_path(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# the position of sinks in ``args`` (attn_fwd's arguments after cu_seqlens), from the op's one list
-_SINKS = ops.FWD_ARGS.index("sinks") - ops.FWD_ARGS.index("cu_seqlens") - 1
-
-
 class _Attention(torch.autograd.Function):
-    """``attn_fwd`` and its gradient rule without the dispatcher (real tensors, eager only)."""
+    """``attn_fwd`` and its gradient rule without the dispatcher (real tensors, eager only). Its
+    arguments are flat, as the op's: autograd sees the tensors among them (``sinks``' gradient)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, *args):
@@ -63,24 +60,27 @@ def _grad_args(ctx, dout, dlse) -> tuple:
     return ctx.saved_tensors, ctx.args, dout, dlse, ops.forward_impl, ops.backward_impl
 
 
-def attention(q, k, v, cu_seqlens, *args, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``doc_packed::attn_fwd(q, k, v, cu_seqlens, *args)`` with autograd: ``(out, lse)``.
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: ops.Call, *, need_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``doc_packed::attn_fwd(q, k, v, *call)`` with autograd: ``(out, lse)``.
     ``need_lse=False``: the caller drops lse, which may then be None (no graph, FA4)."""
-    # the optional tensors (sinks, prefix_lens: the last arguments) decide the path as q, k, v do
-    if not takes_eager_path(q, k, v, cu_seqlens, *(a for a in args[_SINKS:] if a is not None)):
-        return torch.ops.doc_packed.attn_fwd(q, k, v, cu_seqlens, *args)
+    # the optional tensors (sinks, prefix_lens) decide the path as q, k, v do
+    optional = [t for t in (call.sinks, call.prefix_lens) if t is not None]
+    if not takes_eager_path(q, k, v, call.cu_seqlens, *optional):
+        return torch.ops.doc_packed.attn_fwd(q, k, v, *call)
     if _compat.profiler_enabled():  # traces name the call as they name the op
         with torch.profiler.record_function("doc_packed::attn_fwd"):
-            return _run(q, k, v, cu_seqlens, args, need_lse)
-    return _run(q, k, v, cu_seqlens, args, need_lse)
+            return _run(q, k, v, call, need_lse)
+    return _run(q, k, v, call, need_lse)
 
 
-def _run(q, k, v, cu_seqlens, args, need_lse):
-    sinks = args[_SINKS] if len(args) > _SINKS else None
+def _run(q, k, v, call: ops.Call, need_lse: bool):
+    sinks = call.sinks
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):
-        return _Attention.apply(q, k, v, cu_seqlens, *args)
+        return _Attention.apply(q, k, v, *call)
     if need_lse:
-        return ops.forward_impl(q, k, v, cu_seqlens, *args)
-    return ops.forward_out(q, k, v, cu_seqlens, *args), None
+        return ops.forward_impl(q, k, v, *call)
+    return ops.forward_out(q, k, v, *call), None

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from . import _compat, _eager, kernels
+from . import _compat, _eager, kernels, ops
 from ._checks import (
     INT32_MAX,
     argument_error,
@@ -248,18 +248,19 @@ def doc_packed_attn(
     )
 
 
-def _variant_args(q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap, prefix_lens, return_max_logits):
-    """The variants' checks (metadata only): the op's trailing ``(softcap, sinks, prefix_lens)``,
-    empty for a plain call so it runs exactly as before."""
+def _variant_args(q, k, v, cu_seqlens, causal, backend, sinks, softcap, prefix_lens, return_max_logits):
+    """The variants' checks (metadata only): the call's ``(softcap, sinks, prefix_lens)``,
+    ``(0.0, None, None)`` for a plain call."""
     if sinks is None and softcap is None and prefix_lens is None and return_max_logits is False:
         if backend in kernels.AUTO_MODES or v.shape[-1] == q.shape[-1]:
-            return ()  # the plain call (a forced backend was checked with it in _validated)
+            return _PLAIN  # the plain call (a forced backend was checked with it in _validated)
     cap = check_variants(q, cu_seqlens, causal, sinks, softcap, prefix_lens, return_max_logits)
     if backend not in kernels.AUTO_MODES and not torch.compiler.is_compiling():
         kernels.check_backend(backend, q, k.shape[2], kernels.Variant.of(q, v, cap))
-    if cap == 0.0 and sinks is None and prefix_lens is None:
-        return ()
-    return (cap, sinks, prefix_lens)
+    return cap, sinks, prefix_lens
+
+
+_PLAIN = (0.0, None, None)
 
 
 def attention(
@@ -289,8 +290,8 @@ def attention(
         left, right, scale, seq_len, group_name, doc_len, cp_dim = check(
             q, k, v, cu_seqlens, causal, window_size, scale, backend, cp_group, seq_len, planning_doc_len
         )
-        variant = _variant_args(
-            q, k, v, cu_seqlens, causal, backend, cp_group, sinks, softcap, prefix_lens, return_max_logits
+        cap, sinks, prefix_lens = _variant_args(
+            q, k, v, cu_seqlens, causal, backend, sinks, softcap, prefix_lens, return_max_logits
         )
     except (TypeError, ValueError) as err:
         if not torch.compiler.is_compiling() or is_dtensor(q):
@@ -304,14 +305,28 @@ def attention(
         check_max_seqlen(cu_seqlens, seq_len, max_seqlen)
     if type(q) is not torch.Tensor:
         cu_seqlens = _as_dtensor_like(q, cu_seqlens)
-        if variant and is_dtensor(q):  # plain sinks / prefix_lens beside DTensors: replicated
-            variant = (variant[0], *(None if t is None else _as_dtensor_like(q, t) for t in variant[1:]))
-    call = (q, k, v, cu_seqlens, seq_len, causal, left, right, scale, backend, group_name, doc_len, cp_dim, *variant)
+        if is_dtensor(q):  # plain sinks / prefix_lens beside DTensors: replicated
+            sinks, prefix_lens = (None if t is None else _as_dtensor_like(q, t) for t in (sinks, prefix_lens))
+    call = ops.Call(
+        cu_seqlens=cu_seqlens,
+        seq_len=seq_len,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        scale=scale,
+        backend=backend,
+        cp_group=group_name,
+        planning_doc_len=doc_len,
+        planning_cp_dim=cp_dim,
+        softcap=cap,
+        sinks=sinks,
+        prefix_lens=prefix_lens,
+    )
     if group_name is None or torch.compiler.is_compiling():
-        out, lse = _eager.attention(*call, need_lse=return_lse)
+        out, lse = _eager.attention(q, k, v, call, need_lse=return_lse)
     else:
         try:
-            out, lse = _eager.attention(*call, need_lse=return_lse)
+            out, lse = _eager.attention(q, k, v, call, need_lse=return_lse)
         except ValueError as err:  # a rank's own chunk of cu_seqlens: say that it is global
             better = cp_layout_error(err, seq_len, _group_size(group_name))
             if better is err:
@@ -319,12 +334,9 @@ def attention(
             raise better from None
     result = (out, lse) if return_lse else (out,)
     if return_max_logits:
-        cap = variant[0] if variant else 0.0
-        pl = variant[2] if variant else None
-        m = torch.ops.doc_packed.attn_max_logits(
-            q.detach(), k.detach(), cu_seqlens, seq_len, causal, left, right, scale, group_name, cap, pl, backend
-        )
-        result = (*result, m)
+        # attn_max_logits takes the call's fields it names (ops.MAX_ARGS)
+        fields = (getattr(call, name) for name in ops.MAX_ARGS[2:])
+        result = (*result, torch.ops.doc_packed.attn_max_logits(q.detach(), k.detach(), *fields))
     return result if len(result) > 1 else out
 
 

@@ -100,7 +100,7 @@ def _schema(tensors: tuple[str, ...], outputs: int) -> str:
     return f"({', '.join(args)}) -> ({', '.join(['Tensor'] * outputs)})"
 
 
-# ``attn_max_logits``'s arguments (its schema below)
+# ``attn_max_logits``'s arguments (its schema below): after q and k, fields of :class:`Call`
 MAX_ARGS: tuple[str, ...] = (
     "q",
     "k",
@@ -405,15 +405,24 @@ def attn_max_logits(
     backend="auto",
 ) -> torch.Tensor:
     """``[H_q]`` max logits (no gradient): the largest visible scaled, softcapped logit per head."""
+    call = Call(
+        cu_seqlens,
+        seq_len,
+        causal,
+        window_left,
+        window_right,
+        scale,
+        backend,
+        cp_group,
+        softcap=softcap,
+        prefix_lens=prefix_lens,
+    )
     if cp_group is not None:
         from .cp import max_logits as cp_max_logits
 
-        return cp_max_logits.max_logits(
-            q, k, cu_seqlens, seq_len, causal, window_left, window_right, scale, cp_group, softcap, prefix_lens
-        )
+        return cp_max_logits.max_logits(q, k, call)
     _check_local(q, seq_len)
-    spec = _local_problem(cu_seqlens, seq_len, causal, window_left, window_right, prefix_lens)
-    return kernels.max_logits(spec, _flat(q), _flat(k), scale, softcap, backend)
+    return kernels.max_logits(_call_problem(call), _flat(q), _flat(k), scale, softcap, backend)
 
 
 @attn_max_logits.register_fake

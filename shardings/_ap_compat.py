@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from doc_packed._compat import PrivateAPIError
+from doc_packed._compat import PrivateAPIError, private
 
 __all__ = [
     "CHECKED_AUTOPARALLEL",
@@ -41,13 +41,14 @@ def installed() -> bool:
 
 
 def _name(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise PrivateAPIError(
+    return private(
+        module,
+        name,
+        lambda err: (
             f"shardings uses AutoParallel's {module}.{name}, checked on AutoParallel "
             f"{CHECKED_AUTOPARALLEL}; the installed AutoParallel does not have it ({err})"
-        ) from err
+        ),
+    )
 
 
 _COMPUTE = "autoparallel.cost_models.compute_estimation"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor.placement_types import Shard
@@ -39,6 +40,7 @@ __all__ = [
     "Alternative",
     "attention_report_json",
     "attention_report_lines",
+    "attention_cost",
     "attention_time_us",
     "layout_alternatives",
     "sequence_break_even",
@@ -282,6 +284,62 @@ def _alternatives(optimizer, node, q_index: int, names, top: int, mesh) -> list[
     return ranked[: top + 1]
 
 
+def _source_line(node) -> str:
+    """The model's source line that made ``node`` (from its stack trace; "" when none)."""
+    stack = (node.meta.get("stack_trace", "") or "").strip()
+    return stack.splitlines()[-2].strip() if stack else ""
+
+
+def _cp_report(node, spec, q_index: int, mesh, cu_seqlens: torch.Tensor | None) -> dict:
+    """The context-parallel plan of a sequence-sharded node, in figures: its balance and
+    traffic per rank (``{}`` when the node's sequence is not sharded)."""
+    dim = _sequence_dim(spec, q_index)
+    if dim is None:
+        return {}
+    cp = mesh.size(dim)
+    q_meta = spec.input_specs[q_index].tensor_meta
+    B, S, Hq, D = q_meta.shape
+    Hkv = spec.input_specs[q_index + 1].tensor_meta.shape[2]
+    rows = B
+    for d, p in enumerate(spec.input_specs[q_index].placements):
+        if p == Shard(0):
+            rows //= mesh.size(d)
+        if p == Shard(2):
+            Hq, Hkv = Hq // mesh.size(d), Hkv // mesh.size(d)
+    plan, rows_per_plan = _report_plan(node, cu_seqlens, S, cp, Hq / Hkv, rows)
+    backward = _ROLES[node.target] == "backward"
+    nbytes = sum(exchange_bytes(plan, rows_per_plan, Hq, Hkv, D, q_meta.dtype.itemsize, backward))
+    return dict(
+        cp=cp,
+        imbalance=plan.imbalance,
+        kv_recv_tokens=round(max(plan.kv_recv_tokens) * rows_per_plan),
+        all_gather_tokens=round((plan.batch * S - plan.batch * S // cp) * rows_per_plan),
+        q_moved_tokens=round(max(plan.q_moved_tokens) * rows_per_plan),
+        exchange_MB=nbytes / 2**20,
+        planned_from="cu_seqlens" if cu_seqlens is not None else "planning assumption",
+    )
+
+
+def _report_plan(node, cu_seqlens: torch.Tensor | None, S: int, cp: int, query_cost: float, rows: int):
+    """``(plan, rows per plan row)`` the report describes: the plan the runtime will run for
+    ``cu_seqlens`` (row-priced: its pairs need not be even), else one for the node's planning
+    assumption (the active pricing's layout, or rows of its planned document length)."""
+    causal, left, right = (_arg(node, n) for n in ("causal", "window_left", "window_right"))
+    if cu_seqlens is not None:
+        import doc_packed
+
+        with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
+            plan = doc_packed.plan_context_parallel(
+                cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=query_cost
+            )
+        return plan, 1
+    p = active_pricing()
+    layout = p.layout if p is not None and p.layout is not None else None
+    layout = layout or Layout(flops.planned_doc_len(_arg(node, "planning_doc_len"), S))
+    plan, planned_rows = plan_for(layout, S, cp, causal, left, right, query_cost)
+    return plan, rows / planned_rows
+
+
 def describe_attention(
     autop,
     placement,
@@ -313,62 +371,16 @@ def describe_attention(
     choices = []
     for node, spec in _attention_nodes(placement):
         role, q_index = _ROLES[node.target], arg_index(node.target, "q")
-        concrete = normalize(node)
-        kinds = kind_of(spec.input_specs[q_index].placements)
-        dvs = chosen.get(concrete, [])
-        compute = sum(dv.compute_cost for dv in dvs)
-        redistribute = sum(dv.comm_cost + dv.sharding_transition_cost for dv in dvs)
-        q_meta = spec.input_specs[q_index].tensor_meta
-        k_meta = spec.input_specs[q_index + 1].tensor_meta
-        cp_info = {}
-        dim = _sequence_dim(spec, q_index)
-        if dim is not None:
-            cp = mesh.size(dim)
-            B, S, Hq, D = q_meta.shape
-            Hkv = k_meta.shape[2]
-            rows = B
-            for d, p in enumerate(spec.input_specs[q_index].placements):
-                if p == Shard(0):
-                    rows //= mesh.size(d)
-                if p == Shard(2):
-                    Hq, Hkv = Hq // mesh.size(d), Hkv // mesh.size(d)
-            causal, left, right = (_arg(node, n) for n in ("causal", "window_left", "window_right"))
-            if cu_seqlens is not None:
-                import doc_packed
-
-                with unset_fake_temporarily():  # AutoParallel's context runs under fake mode
-                    # the plan the runtime will run (row-priced: its pairs need not be even)
-                    plan = doc_packed.plan_context_parallel(
-                        cu_seqlens, cp, causal=causal, window_size=(left, right), query_cost=Hq / Hkv
-                    )
-                rows_per_plan = 1
-            else:
-                p = active_pricing()
-                layout = p.layout if p is not None and p.layout is not None else None
-                layout = layout or Layout(flops.planned_doc_len(_arg(node, "planning_doc_len"), S))
-                plan, planned_rows = plan_for(layout, S, cp, causal, left, right, Hq / Hkv)
-                rows_per_plan = rows / planned_rows
-            nbytes = sum(exchange_bytes(plan, rows_per_plan, Hq, Hkv, D, q_meta.dtype.itemsize, role == "backward"))
-            cp_info = dict(
-                cp=cp,
-                imbalance=plan.imbalance,
-                kv_recv_tokens=round(max(plan.kv_recv_tokens) * rows_per_plan),
-                all_gather_tokens=round((plan.batch * S - plan.batch * S // cp) * rows_per_plan),
-                q_moved_tokens=round(max(plan.q_moved_tokens) * rows_per_plan),
-                exchange_MB=nbytes / 2**20,
-                planned_from="cu_seqlens" if cu_seqlens is not None else "planning assumption",
-            )
-        stack = node.meta.get("stack_trace", "") or ""
-        source = stack.strip().splitlines()[-2].strip() if stack.strip() else ""
+        dvs = chosen.get(normalize(node), [])
         choices.append(
             AttentionChoice(
                 node=node.name,
                 role=role,
-                layout=dict(zip(names, kinds)),
-                compute_us=compute,
-                redistribute_us=redistribute,
-                source=source,
-                cp=cp_info,
+                layout=dict(zip(names, kind_of(spec.input_specs[q_index].placements))),
+                compute_us=sum(dv.compute_cost for dv in dvs),
+                redistribute_us=sum(dv.comm_cost + dv.sharding_transition_cost for dv in dvs),
+                source=_source_line(node),
+                cp=_cp_report(node, spec, q_index, mesh, cu_seqlens),
                 alternatives=_alternatives(autop.sharding_optimizer, node, q_index, names, top, mesh)
                 if alternatives
                 else [],
@@ -392,7 +404,7 @@ def attention_report_lines(choices: list[AttentionChoice]) -> list[str]:
     return lines
 
 
-def _call_cost(
+def attention_cost(
     mesh,
     dim: int,
     kind: str,
@@ -408,7 +420,8 @@ def _call_cost(
     doc_len: int = 0,
     backward: bool = False,
 ) -> AttentionCost:
-    """:func:`attention_time_us`'s cost, split into compute and exchange."""
+    """One attention call's cost with ``kind`` on mesh dim ``dim`` (the other dims replicate),
+    split into compute and exchange (:func:`attention_time_us` is its total, with its terms)."""
     m = mesh.size(dim)
     shape = [rows, seq_len, q_heads, head_dim]
     kv = kv_heads
@@ -431,32 +444,16 @@ def _call_cost(
     )
 
 
-def attention_time_us(
-    mesh,
-    dim: int,
-    kind: str,
-    *,
-    rows: int,
-    seq_len: int,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    doc_len: int = 0,
-    backward: bool = False,
-) -> float:
+def attention_time_us(mesh, dim: int, kind: str, **shape: Any) -> float:
     """One attention call's time (us) with ``kind`` on mesh dim ``dim`` (the other dims
     replicate), as the solver is told it (:func:`shardings.costs.call_us`): the backend's
     measured rate for rows of ``doc_len``-token lognormal documents, the host cost per call,
     and for ``"sequence"`` the plan's imbalance and the exchange on that dim's links. Priced
     under the active :func:`shardings.costs.pricing` (its rates, hosts and layout), else the
-    default rates on 8-GPU hosts."""
-    return _call_cost(
-        mesh, dim, kind, rows=rows, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, causal=causal, window_size=window_size, doc_len=doc_len, backward=backward,
-    ).total  # fmt: skip
+    default rates on 8-GPU hosts. ``shape``: :func:`attention_cost`'s keywords (``rows``,
+    ``seq_len``, ``q_heads``, ``kv_heads``, ``head_dim``, ``dtype``, and ``causal``,
+    ``window_size``, ``doc_len``, ``backward``)."""
+    return attention_cost(mesh, dim, kind, **shape).total
 
 
 def layout_alternatives(
@@ -490,7 +487,7 @@ def layout_alternatives(
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
     alts = []
     for kind in kinds:
-        cost = _call_cost(
+        cost = attention_cost(
             mesh, dim, kind, rows=rows, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
             dtype=dtype, causal=causal, window_size=window_size, doc_len=doc_len, backward=backward,
         )  # fmt: skip

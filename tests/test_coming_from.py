@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import doc_packed as dp
 from gpu_parity import cuda_packed
+from peer_oracles import flash_oracle
 
 # ----------------------------------------------------------------------------- references
 
@@ -19,33 +20,8 @@ def flash_varlen_reference(q, k, v, cu, causal, window, scale=None):
     """flash_attn_varlen_func's documented semantics (self-attention, seqlen_q == seqlen_k):
     query i of a sequence sees keys j with i - window[0] <= j <= i + window[1] (-1: unbounded),
     and with causal=True also j <= i; "window_size[1] is ignored when causal" (flash sets it to
-    0). Returns out [T, H, D] and softmax_lse [H, T], natural log."""
-    T, H, D = q.shape
-    G = H // k.shape[1]
-    scale = D**-0.5 if scale is None else scale
-    left, right = window
-    out = torch.zeros(T, H, D, dtype=torch.float64)
-    lse = torch.full((H, T), float("-inf"), dtype=torch.float64)
-    bounds = cu.tolist()
-    for a, e in zip(bounds[:-1], bounds[1:]):
-        if e == a:
-            continue
-        i = torch.arange(e - a)[:, None]
-        j = torch.arange(e - a)[None, :]
-        m = torch.ones(e - a, e - a, dtype=torch.bool)
-        if left >= 0:
-            m &= j >= i - left
-        if causal:
-            m &= j <= i
-        elif right >= 0:
-            m &= j <= i + right
-        qs = q[a:e].double().transpose(0, 1)
-        ks = k[a:e].double().repeat_interleave(G, 1).transpose(0, 1)
-        vs = v[a:e].double().repeat_interleave(G, 1).transpose(0, 1)
-        s = (qs @ ks.transpose(1, 2) * scale).masked_fill(~m, float("-inf"))
-        lse[:, a:e] = torch.logsumexp(s, -1)
-        out[a:e] = (torch.softmax(s, -1) @ vs).transpose(0, 1)
-    return out, lse
+    0). Returns out [T, H, D] and softmax_lse [H, T], natural log (tests/peer_oracles.py)."""
+    return flash_oracle(q, k, v, cu, cu, causal=causal, window=window, scale=scale)
 
 
 def _flex(q, k, v, mask_mod, B, S):

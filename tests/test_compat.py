@@ -1,7 +1,6 @@
-"""doc_packed.compat's drop-ins against the peers' semantics, written out here as float64 oracles
-from their sources (flash-attention 2's csrc/flash_attn/flash_api.cpp and interface; torch 2.13's
-torch/nn/attention/varlen.py; flash-attn-4 4.0.0b36's flash_attn/cute/interface.py, mask.py and
-softmax.py), and, on a GPU, against the peers themselves."""
+"""doc_packed.compat's drop-ins against the peers' semantics, the float64 oracles of
+tests/peer_oracles.py (written from the peers' sources), and, on a GPU, against the peers
+themselves."""
 
 import inspect
 import warnings
@@ -13,101 +12,7 @@ import doc_packed as dp
 from doc_packed import compat
 from doc_packed.compat import cute
 from gpu_parity import cuda_packed
-
-# ----------------------------------------------------------------------------- the peers' semantics
-
-
-def flash_oracle(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), scale=None, softcap=0.0):
-    """flash-attention 2's varlen forward in float64, as its kernel applies the arguments:
-    ``causal`` forces the right window to 0; a negative side is unbounded; the mask is aligned
-    bottom-right (query i of a segment of Lq queries and Lk keys sees key j when
-    i + Lk - Lq - left <= j <= i + Lk - Lq + right); softcap > 0 maps each scaled logit s to
-    softcap * tanh(s / softcap), anything else is off. Returns out [T, H, D] and lse [H, T]."""
-    T, H, D = q.shape
-    G = H // k.shape[1]
-    scale = D**-0.5 if scale is None else scale
-    left, right = window
-    if causal:
-        right = 0
-    out = torch.zeros(T, H, v.shape[-1], dtype=torch.float64)
-    lse = torch.full((H, T), float("-inf"), dtype=torch.float64)
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for qa, qe, ka, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
-        lq, lk = qe - qa, ke - ka
-        if lq == 0:
-            continue
-        i = torch.arange(lq)[:, None] + (lk - lq)
-        j = torch.arange(lk)[None, :]
-        m = torch.ones(lq, lk, dtype=torch.bool)
-        if left >= 0:
-            m &= j >= i - left
-        if right >= 0:
-            m &= j <= i + right
-        qs = q[qa:qe].double().transpose(0, 1)
-        ks = k[ka:ke].double().repeat_interleave(G, 1).transpose(0, 1)
-        vs = v[ka:ke].double().repeat_interleave(G, 1).transpose(0, 1)
-        s = qs @ ks.transpose(1, 2) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~m, float("-inf"))
-        lse[:, qa:qe] = torch.logsumexp(s, -1)
-        out[qa:qe] = (torch.softmax(s, -1) @ vs).transpose(0, 1)
-    return out, lse
-
-
-def torch_varlen_oracle(query, key, value, cu_q, cu_k, *, window=(-1, -1), scale=None):
-    """torch 2.13's varlen_attn: ``is_causal = window_size == (-1, 0)``, then flash's kernel with
-    that flag and the window as given."""
-    return flash_oracle(query, key, value, cu_q, cu_k, causal=tuple(window) == (-1, 0), window=window, scale=scale)
-
-
-def fa4_oracle(q, k, v, cu, *, causal=False, window=(None, None), scale=None, softcap=0.0, sink=None):
-    """FA4's flash_attn_varlen_func (flash-attn-4 4.0.0b36) in float64, self-attention, as its
-    ``_resolve_causal_local_window`` and mask apply the arguments: both window sides negative is
-    no window; then ``causal`` sets the right side to 0; None is unbounded and any other side is
-    taken literally (query i sees key j when i - left <= j <= i + right, so a negative side
-    excludes the query); softcap 0 or None is off, else s -> softcap * tanh(s / softcap) on the
-    scaled logit; ``sink [H]`` is one more logit per head in the softmax, with no value, included
-    in the lse (a row that sees nothing: out 0, lse = sink, or -inf without a sink). Returns out
-    [T, H, Dv] and lse [H, T]."""
-    T, H, D = q.shape
-    G = H // k.shape[1]
-    scale = D**-0.5 if scale is None else scale
-    left, right = window
-    if left is not None and right is not None and left < 0 and right < 0:
-        left = right = None
-    if causal:
-        right = 0
-    out = torch.zeros(T, H, v.shape[-1], dtype=torch.float64)
-    lse = torch.full((H, T), float("-inf"), dtype=torch.float64)
-    bounds = cu.tolist()
-    for a, e in zip(bounds[:-1], bounds[1:]):
-        if e == a:
-            continue
-        i = torch.arange(e - a)[:, None]
-        j = torch.arange(e - a)[None, :]
-        m = torch.ones(e - a, e - a, dtype=torch.bool)
-        if left is not None:
-            m &= j >= i - left
-        if right is not None:
-            m &= j <= i + right
-        qs = q[a:e].double().transpose(0, 1)
-        ks = k[a:e].double().repeat_interleave(G, 1).transpose(0, 1)
-        vs = v[a:e].double().repeat_interleave(G, 1).transpose(0, 1)
-        s = qs @ ks.transpose(1, 2) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~m, float("-inf"))
-        if sink is not None:
-            s = torch.cat([s, sink.double()[:, None, None].expand(H, e - a, 1)], -1)
-        row_lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # a row that sees nothing: 0
-        if sink is not None:
-            p = p[..., :-1]
-        lse[:, a:e] = row_lse
-        out[a:e] = (p @ vs).transpose(0, 1)
-    return out, lse
-
+from peer_oracles import fa4_oracle, flash_oracle, torch_varlen_oracle
 
 # flash-attention 2.8's flash_attn_varlen_func, copied from its signature: (name, default)
 FLASH2_SIGNATURE = [

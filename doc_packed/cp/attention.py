@@ -20,14 +20,14 @@ move; backward 2 (out and home).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .. import _variants, kernels
 from .._doc_layout import DocLayout, get_layout
 from . import comm
-from .plan import owner_range, runtime_plan
+from .plan import ContextParallelPlan, owner_range, runtime_plan
 from .lse_merge import merge_
 from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
@@ -36,7 +36,17 @@ from .warmup import warmup
 if TYPE_CHECKING:
     from ..ops import Call as OpCall  # the op's arguments by name (ops imports this module, not back)
 
-__all__ = ["backward", "forward", "get_schedule", "layout_tag", "reject", "schedule_for", "schedules_built"]
+__all__ = [
+    "ScheduleKey",
+    "backward",
+    "forward",
+    "get_schedule",
+    "install_schedule",
+    "layout_tag",
+    "reject",
+    "schedule_for",
+    "schedules_built",
+]
 
 # Plans weigh moving one query against fetching one key/value row by their sizes per token
 # (q/out and gradients: H_q * D; k/v: H_kv * D), allow plan.TOLERANCE of imbalance and balance
@@ -65,7 +75,8 @@ def get_schedule(
     local, deterministic and collective-free, cached per layout), then all ranks exchange a
     fingerprint of what the exchange depends on and an error flag (:func:`comm.check_agreement`,
     one small all-gather on CPU, before any data moves). A bad or mismatched input on any rank
-    raises the same error on every rank; whether a rank re-planned never matters.
+    raises the same error on every rank; whether a rank re-planned never matters. The runtime
+    calls it through :func:`_call_schedule` (the op's call by name).
     """
     rank, size = comm.group_info(group_name)
     B, local_len, Hq, D = q.shape
@@ -102,7 +113,7 @@ def get_schedule(
             )
         if layout.batch != B:
             raise ValueError(f"cu_seqlens has {layout.batch} rows but q has batch size {B}")
-        key = (size, rank, causal, left, right, float(Hq / Hkv), q.device)
+        key = ScheduleKey(size, rank, causal, left, right, float(Hq / Hkv), q.device)
         built = _COUNTS["schedules"]
         schedule = schedule_for(layout, key, prefixes)
         _COUNTS["in_calls"] += _COUNTS["schedules"] - built  # nothing prepared this layout
@@ -139,19 +150,43 @@ def _layout_tag(layout: DocLayout) -> str:
     return f"{docs} documents in {layout.batch} rows, digest {words[0] & 0xFFFFFFFFFFFF:012x}{words[1] & 0xFFFF:04x}"
 
 
+class ScheduleKey(NamedTuple):
+    """What a rank's schedule for one layout is made for (besides bidirectional prefixes)."""
+
+    size: int
+    rank: int
+    causal: bool
+    left: int
+    right: int
+    query_cost: float  # H_q / H_kv: the planner's price of moving a query against a K/V row
+    device: torch.device
+
+
+def _schedule_slot(key: tuple, prefixes=None) -> tuple:
+    """Where the layout's memo keeps the schedule for ``key`` and ``prefixes``: read and written
+    by :func:`schedule_for` and :func:`install_schedule` alone."""
+    return ("cp_schedule", *key) if prefixes is None else ("cp_schedule", *key, prefixes)
+
+
 def schedule_for(layout: DocLayout, key: tuple, prefixes=None) -> RankSchedule:
-    """Plan and schedule for ``key`` = (size, rank, causal, left, right, H_q / H_kv, device) and
-    the bidirectional ``prefixes`` (None: none): host work, no collective, memoised on the layout
-    (made ahead by :func:`doc_packed.cp.prepare`, else by the first call that needs it)."""
+    """Plan and schedule for ``key`` (a :class:`ScheduleKey`) and the bidirectional ``prefixes``
+    (None: none): host work, no collective, memoised on the layout (made ahead by
+    :func:`doc_packed.cp.prepare`, else by the first call that needs it)."""
     size, rank, causal, left, right, query_cost, device = key
-    tail = () if prefixes is None else (prefixes,)
 
     def build() -> RankSchedule:
         plan = runtime_plan(layout, size, causal, left, right, query_cost, prefixes)
         _COUNTS["schedules"] += 1
         return build_schedule(plan, rank, device)
 
-    return layout.derived(("cp_schedule", *key, *tail), build)
+    return layout.derived(_schedule_slot(key, prefixes), build)
+
+
+def install_schedule(layout: DocLayout, key: tuple, plan: ContextParallelPlan) -> None:
+    """Make calls for ``key`` on this layout run ``plan`` (one handed to
+    :func:`doc_packed.cp.prepare`) instead of the one they would make."""
+    _, rank, *_, device = key
+    layout.put(_schedule_slot(key), build_schedule(plan, rank, device))
 
 
 _COUNTS = {"schedules": 0, "in_calls": 0}
@@ -308,7 +343,9 @@ class _Grad:
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, softcap=0.0) -> None:
+def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], op: OpCall) -> None:
+    """Run the schedule's kernel ``calls`` on the query buffers ``qs`` and K/V buffers ``kvs``,
+    each call's output merged into ``rows`` of its query buffer."""
     for call in calls:
         k, v = kvs[call.k_buf]
         o, l = kernels.forward(
@@ -316,44 +353,44 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], scale, backend, softc
             _rows(qs[call.q_buf], call.q0, call.q1),
             _rows(k, call.k0, call.k1),
             _rows(v, call.k0, call.k1),
-            scale,
-            backend,
-            softcap,
+            op.scale,
+            op.backend,
+            op.softcap,
         )
         rows[call.q_buf].write(call, o, l)
 
 
-def _group(call: OpCall) -> str:
-    assert call.cp_group is not None, "a context-parallel call names its group"
-    return call.cp_group
+def _group(op: OpCall) -> str:
+    assert op.cp_group is not None, "a context-parallel call names its group"
+    return op.cp_group
 
 
-def _call_schedule(q: torch.Tensor, k: torch.Tensor, call: OpCall, pass_: str) -> RankSchedule:
-    """:func:`get_schedule` for the op's call."""
+def _call_schedule(q: torch.Tensor, k: torch.Tensor, op: OpCall, pass_: str) -> RankSchedule:
+    """:func:`get_schedule` for the op's call ``op``."""
     return get_schedule(
         q,
         k,
-        call.cu_seqlens,
-        call.seq_len,
-        call.causal,
-        call.window_left,
-        call.window_right,
-        _group(call),
-        scale=call.scale,
-        backend=call.backend,
+        op.cu_seqlens,
+        op.seq_len,
+        op.causal,
+        op.window_left,
+        op.window_right,
+        _group(op),
+        scale=op.scale,
+        backend=op.backend,
         pass_=pass_,
-        softcap=call.softcap,
-        prefix_lens=call.prefix_lens,
+        softcap=op.softcap,
+        prefix_lens=op.prefix_lens,
     )
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: OpCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of this rank's queries (``call.cp_group`` holds the other chunks); sinks
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: OpCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of this rank's queries (``op.cp_group`` holds the other chunks); sinks
     are the caller's (:func:`doc_packed.ops.add_sinks`, after the merge)."""
-    sch = _call_schedule(q, k, call, "forward")
-    scale, backend, softcap, group_name = call.scale, call.backend, call.softcap, _group(call)
+    sch = _call_schedule(q, k, op, "forward")
+    group_name = _group(op)
     # FA4's kernels of every kind, once
-    warmup(q, k, v, call.causal, call.window_left, call.window_right, backend, softcap)
+    warmup(q, k, v, op.causal, op.window_left, op.window_right, op.backend, op.softcap)
     B, L, Hq, D = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     # one exchange out: K|V rows peers need, and the queries the plan moves
@@ -363,12 +400,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: OpCall) -> 
     rows = {LOCAL: _Rows(sch.local_rows, Hq, D, q.dtype, q.device), RECV: _Rows(n_moved, Hq, D, q.dtype, q.device)}
     kvs = {LOCAL: (kf, vf)}
     # stage A: own queries x own keys while the exchange is in flight
-    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, scale, backend, softcap)
+    _forward_calls(sch.stage_a, {LOCAL: qf}, kvs, rows, op)
     # stage B: everything that reads a received buffer
     got = comm.wait_exchange(pending) if pending is not None else []
     kvs[RECV] = (got[0], got[1]) if sch.kv_traffic else (kf[:0], vf[:0])
     q_recv = got[-1] if sch.q_traffic else qf[:0]
-    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, scale, backend, softcap)
+    _forward_calls(sch.stage_b, {LOCAL: qf, RECV: q_recv}, kvs, rows, op)
     out, lse = rows[LOCAL].result()
     if sch.q_traffic:  # moved-in rows' output and lse go home, in one exchange
         out = out.contiguous()  # (a kernel's output, as a rule already)
@@ -385,67 +422,94 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: OpCall) -> 
 # ----------------------------------------------------------------------------- backward
 
 
-def backward(dout, q, k, v, out, lse, call: OpCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of this rank's chunk: partial dK/dV of received keys are summed home."""
-    sch = _call_schedule(q, k, call, "backward")
-    scale, backend, softcap, group_name = call.scale, call.backend, call.softcap, _group(call)
-    B, L, Hq, D = q.shape
-    Hkv = k.shape[2]
-    qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    of, dof = _flat(out.contiguous()), _flat(dout.contiguous())
-    lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
-    # one exchange out: K|V rows peers need, and moved rows with their output, output gradient and lse
+class _Grads:
+    """dQ, dK and dV of both buffers (:data:`LOCAL` and :data:`RECV`), summed over the calls."""
+
+    def __init__(self, sch: RankSchedule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
+        (Hq, D), Hkv = q.shape[2:], k.shape[2]
+        self.dq = {buf: _Grad(n, (Hq, D), q.dtype, q.device) for buf, n in ((LOCAL, sch.local_rows), (RECV, n_moved))}
+        self.dk = {buf: _Grad(n, (Hkv, D), k.dtype, k.device) for buf, n in ((LOCAL, sch.local_rows), (RECV, n_kv))}
+        self.dv = {buf: _Grad(n, (Hkv, D), v.dtype, v.device) for buf, n in ((LOCAL, sch.local_rows), (RECV, n_kv))}
+
+    def add(self, call: Call, g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
+        """The gradients one kernel call computed, into the rows it computed them for."""
+        self.dq[call.q_buf].add(call.q0, g_q, call.rows)
+        self.dk[call.k_buf].add(call.k0, g_k, call.k_rows)
+        self.dv[call.k_buf].add(call.k0, g_v, call.k_rows)
+
+
+def _backward_calls(calls, saved, kvs, grads: _Grads, op: OpCall) -> None:
+    """Run the schedule's kernel ``calls`` backward on the saved query-side buffers ``saved``
+    (q, out, dout, lse rows) and K/V buffers ``kvs``, summing their gradients into ``grads``."""
+    for call in calls:
+        qb, ob, dob, lb = saved[call.q_buf]
+        kb, vb = kvs[call.k_buf]
+        q0, q1, k0, k1 = call.q0, call.q1, call.k0, call.k1
+        g_q, g_k, g_v = kernels.backward(
+            call.spec,
+            _rows(dob, q0, q1),
+            _rows(qb, q0, q1),
+            _rows(kb, k0, k1),
+            _rows(vb, k0, k1),
+            _rows(ob, q0, q1),
+            _rows(lb, q0, q1, dim=1).contiguous(),
+            op.scale,
+            op.backend,
+            op.softcap,
+        )
+        grads.add(call, g_q, g_k, g_v)
+
+
+def _backward_fields(sch: RankSchedule, qf, kf, vf, of, dof, lse_rows) -> list[comm.Field]:
+    """The backward's exchange out: K|V rows peers need, and moved rows with their output,
+    output gradient and lse."""
     fields = _kv_fields(sch, kf, vf) if sch.kv_traffic else []
     if sch.q_traffic:  # lse rows are columns of [H_q, rows]: gathered into rows first (small)
         l_send = lse_rows.t().index_select(0, sch.q_send_index)
         fields += _moved(sch, qf, of, dof) + [comm.by_splits(l_send, sch.q_send_splits, sch.q_recv_splits)]
-    pending = comm.start_exchange(fields, group_name) if fields else None
-    n_moved, n_kv = sum(sch.q_recv_splits), sum(sch.kv_recv_splits)
-    dq = {LOCAL: _Grad(sch.local_rows, (Hq, D), q.dtype, q.device), RECV: _Grad(n_moved, (Hq, D), q.dtype, q.device)}
-    dk = {LOCAL: _Grad(sch.local_rows, (Hkv, D), k.dtype, k.device), RECV: _Grad(n_kv, (Hkv, D), k.dtype, k.device)}
-    dv = {LOCAL: _Grad(sch.local_rows, (Hkv, D), v.dtype, v.device), RECV: _Grad(n_kv, (Hkv, D), v.dtype, v.device)}
-    saved = {LOCAL: (qf, of, dof, lse_rows)}
-    kvs = {LOCAL: (kf, vf)}
+    return fields
 
-    def run(calls):
-        for call in calls:
-            qb, ob, dob, lb = saved[call.q_buf]
-            kb, vb = kvs[call.k_buf]
-            q0, q1, k0, k1 = call.q0, call.q1, call.k0, call.k1
-            g_q, g_k, g_v = kernels.backward(
-                call.spec,
-                _rows(dob, q0, q1),
-                _rows(qb, q0, q1),
-                _rows(kb, k0, k1),
-                _rows(vb, k0, k1),
-                _rows(ob, q0, q1),
-                _rows(lb, q0, q1, dim=1).contiguous(),
-                scale,
-                backend,
-                softcap,
-            )
-            dq[call.q_buf].add(call.q0, g_q, call.rows)
-            dk[call.k_buf].add(call.k0, g_k, call.k_rows)
-            dv[call.k_buf].add(call.k0, g_v, call.k_rows)
 
-    run(sch.stage_a)
-    got = comm.wait_exchange(pending) if pending is not None else []
-    kvs[RECV] = (got[0], got[1]) if sch.kv_traffic else (kf[:0], vf[:0])
-    if sch.q_traffic:
-        q_m, o_m, do_m, l_m = got[-4:]
-        saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
-    run(sch.stage_b)
-    dq_local = dq[LOCAL].result().contiguous()  # (a kernel's output, as a rule already)
-    dk_local, dv_local = dk[LOCAL].result(), dv[LOCAL].result()
-    # one exchange home: dQ of moved rows, and partial dK|dV of received keys (summed in float32)
-    home = [_home(sch, dq[RECV].result(), into=dq_local)] if sch.q_traffic else []  # lands in dQ's rows
+def _grads_home(sch: RankSchedule, grads: _Grads, group_name: str) -> tuple[torch.Tensor, ...]:
+    """This rank's ``(dq, dk, dv)`` rows: its own, plus what comes home in one exchange (dQ of
+    its moved rows, and the partial dK|dV peers computed for its keys, summed in float32)."""
+    dq = grads.dq[LOCAL].result().contiguous()  # (a kernel's output, as a rule already)
+    dk, dv = grads.dk[LOCAL].result(), grads.dv[LOCAL].result()
+    home = [_home(sch, grads.dq[RECV].result(), into=dq)] if sch.q_traffic else []  # lands in dQ's rows
     if sch.kv_traffic:  # land in the layout add_partials_ sums (cells no partial reaches zeroed)
-        partial = torch.stack([dk[RECV].result(), dv[RECV].result()], 1)
+        partial = torch.stack([grads.dk[RECV].result(), grads.dv[RECV].result()], 1)
         grid = partial.new_empty((sch.kv_back_rows, *partial.shape[1:]))
         if sch.kv_back_gaps.numel():
             grid.index_fill_(0, sch.kv_back_gaps, 0)
         home.append(comm.Field(partial, sch.kv_recv_runs, sch.kv_back_recv, grid))
     landed = comm.exchange(home, group_name) if home else []
     if sch.kv_traffic:
-        add_partials_(dk_local, dv_local, landed[-1], sch.kv_back_sums)
-    return dq_local.reshape(q.shape), dk_local.reshape(k.shape), dv_local.reshape(v.shape)
+        add_partials_(dk, dv, landed[-1], sch.kv_back_sums)
+    return dq, dk, dv
+
+
+def backward(dout, q, k, v, out, lse, op: OpCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's chunk: partial dK/dV of received keys are summed home."""
+    sch = _call_schedule(q, k, op, "backward")
+    group_name = _group(op)
+    B, L, Hq, D = q.shape
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    of, dof = _flat(out.contiguous()), _flat(dout.contiguous())
+    lse_rows = lse.transpose(0, 1).reshape(Hq, B * L)  # [H_q, rows]
+    fields = _backward_fields(sch, qf, kf, vf, of, dof, lse_rows)
+    pending = comm.start_exchange(fields, group_name) if fields else None
+    grads = _Grads(sch, q, k, v)
+    saved = {LOCAL: (qf, of, dof, lse_rows)}
+    kvs = {LOCAL: (kf, vf)}
+    # stage A: own queries x own keys while the exchange is in flight
+    _backward_calls(sch.stage_a, saved, kvs, grads, op)
+    # stage B: everything that reads a received buffer
+    got = comm.wait_exchange(pending) if pending is not None else []
+    kvs[RECV] = (got[0], got[1]) if sch.kv_traffic else (kf[:0], vf[:0])
+    if sch.q_traffic:
+        q_m, o_m, do_m, l_m = got[-4:]
+        saved[RECV] = (q_m, o_m, do_m, l_m.t().contiguous())
+    _backward_calls(sch.stage_b, saved, kvs, grads, op)
+    dq, dk, dv = _grads_home(sch, grads, group_name)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

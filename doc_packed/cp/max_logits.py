@@ -9,6 +9,8 @@ output, not on the attention's own path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,9 @@ from .. import _compat, _variants, kernels
 from .._doc_layout import get_layout
 from .._mask import key_bounds
 from .plan import chunk_len, owner_range
+
+if TYPE_CHECKING:
+    from ..ops import Call as OpCall  # the op's arguments by name (ops imports this module, not back)
 
 
 def _gather_rows(k: torch.Tensor, seq_len: int, group) -> torch.Tensor:
@@ -51,15 +56,15 @@ def _spec(layout, start: int, end: int, causal: bool, left: int, right: int, pre
     return kernels.VarlenSpec(cu_q, cu_k, causal, left, right, bounds=bounds)
 
 
-def max_logits(
-    q, k, cu_seqlens, seq_len, causal, left, right, scale, group_name, softcap=0.0, prefix_lens=None
-) -> torch.Tensor:
+def max_logits(q: torch.Tensor, k: torch.Tensor, call: OpCall) -> torch.Tensor:
     """``[H_q]`` max logits over every query of the group (the same on every rank)."""
-    group = _compat.resolve_process_group(group_name)
+    assert call.cp_group is not None, "a context-parallel call names its group"
+    seq_len, causal, left, right = call.seq_len, call.causal, call.window_left, call.window_right
+    group = _compat.resolve_process_group(call.cp_group)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     start, end = owner_range(seq_len, size, rank)
-    layout = get_layout(cu_seqlens, seq_len)
-    prefixes = None if prefix_lens is None else _variants.prefixes(cu_seqlens, prefix_lens)
+    layout = get_layout(call.cu_seqlens, seq_len)
+    prefixes = None if call.prefix_lens is None else _variants.prefixes(call.cu_seqlens, call.prefix_lens)
     full_k = _gather_rows(k, seq_len, group)
     spec = layout.derived(
         ("cp_max_logits_spec", size, rank, causal, left, right, prefixes),
@@ -75,7 +80,7 @@ def max_logits(
                 k_rows.append(full_k[b, s:e])
     Hq = q.shape[2]
     if q_rows:
-        best = kernels.max_logits(spec, torch.cat(q_rows), torch.cat(k_rows), scale, softcap)
+        best = kernels.max_logits(spec, torch.cat(q_rows), torch.cat(k_rows), call.scale, call.softcap)
     else:
         best = torch.full((Hq,), -float("inf"), dtype=kernels.lse_dtype(q.dtype), device=q.device)
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)

@@ -23,7 +23,6 @@ from ..kernels import fa4
 from .._checks import check_cu_seqlens, check_window
 from . import attention, comm
 from .plan import ContextParallelPlan, query_cost_of
-from .schedule import build_schedule
 
 __all__ = ["prepare", "runtime_counts"]
 
@@ -91,12 +90,12 @@ def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) 
         )
     qc = query_cost_of(num_heads, None)
     rank, size = comm.group_info(name)
-    key = (size, rank, causal, left, right, qc, dev)
+    key = attention.ScheduleKey(size, rank, causal, left, right, qc, dev)
     if plan is None:
         attention.schedule_for(layout, key)
     else:
         _check_plan(plan, layout, size, causal, (left, right), qc)
-        layout.put(("cp_schedule", *key), build_schedule(plan, rank, dev))  # what the calls run
+        attention.install_schedule(layout, key, plan)  # what the calls run
     attention.layout_tag(layout)  # what every call's agreement sends, computed once
 
 

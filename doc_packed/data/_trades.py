@@ -31,77 +31,121 @@ def trade_cells(
     trades, and none begun once the least-work tables have cost ``_TRADE_WORK`` entries (a
     deterministic bound). Returns the rows, lengths and loads, or None where some column stays
     above the tolerance."""
-    cs = chunk_len(seq_len, c)
     load = np.asarray(loads, dtype=np.int64)
     mean = float(load.sum()) / c
     goal, cap = mean * (1 + _TRADE_GOAL), mean * (1 + TOLERANCE)
-    work = docs.work
-    cells: dict[tuple[int, int], dict[int, int]] = {}  # (row, column) -> its whole documents' lengths
+    whole = _whole_documents(rows, lens, chunk_len(seq_len, c))
+    # the longest document a trade gives: of the columns above the goal, at most _TRADE_LONGEST
+    X = min(max((n for (_, r), d in whole.items() if load[r] > goal for n in d.values()), default=0), _TRADE_LONGEST)
+    if X < 2:
+        return None if load.max() > cap else (rows, lens, load.tolist())
+    cells = _Cells(whole, X, docs.work)
+    done: list[_Trade] = []
+    for _ in range(_TRADES):
+        h = int(load.argmax())
+        if load[h] <= goal or cells.spent > _TRADE_WORK:
+            break
+        best = _best_trade(cells, load, h, goal, cap)
+        if best is None:
+            break
+        kh, ko, x, gain = best
+        load[h] -= gain
+        load[cells.col[ko]] += gain
+        done.append(cells.trade(kh, ko, x))
+    if load.max() > cap:
+        return None
+    rows, lens = _traded_rows(rows, lens, done)
+    return rows, lens, load.tolist()
+
+
+def _whole_documents(rows: list[list[int]], lens: list[list[int]], cs: int) -> dict[tuple[int, int], dict[int, int]]:
+    """(row, column) -> the lengths of the documents wholly inside that cell (columns of ``cs``
+    tokens)."""
+    cells: dict[tuple[int, int], dict[int, int]] = {}
     for b, (row, ln) in enumerate(zip(rows, lens)):
         at = 0
         for i, n in zip(row, ln):
             if i != PAD and at // cs == (at + n - 1) // cs:
                 cells.setdefault((b, at // cs), {})[i] = n
             at += n
-    # the longest document a trade gives: of the columns above the goal, at most _TRADE_LONGEST
-    X = min(max((n for (_, r), d in cells.items() if load[r] > goal for n in d.values()), default=0), _TRADE_LONGEST)
-    if X < 2:
-        return None if load.max() > cap else (rows, lens, load.tolist())
-    keys = list(cells)
-    col = np.asarray([r for _, r in keys], dtype=np.int64)
-    big = np.int64(1) << 60
-    least = np.full((len(keys), X + 1), big, dtype=np.int64)  # per cell: least work of t tokens
+    return cells
 
-    def fill(k: int) -> int:
+
+# a trade made: (row of x, row of the set, x, its length, the set as (document, length))
+_Trade = tuple[int, int, int, int, list[tuple[int, int]]]
+_BIG = np.int64(1) << 60
+
+
+class _Cells:
+    """The cells' whole documents and, per cell, the least work of ``t`` tokens of them for
+    every ``t <= X`` (a subset-sum table), kept current as trades move documents."""
+
+    def __init__(self, docs: dict[tuple[int, int], dict[int, int]], X: int, work: list[int]):
+        self.docs, self.X, self.work = docs, X, work
+        self.keys = list(docs)
+        self.col = np.asarray([r for _, r in self.keys], dtype=np.int64)
+        self.least = np.full((len(self.keys), X + 1), _BIG, dtype=np.int64)
+        self.spent = sum(self._fill(k) for k in range(len(self.keys)))  # table entries computed
+
+    def _fill(self, k: int) -> int:
         """Cell ``k``'s table; returns the entries computed (its documents up to X, times X + 1)."""
-        t = least[k]
-        t[:] = big
+        X, t = self.X, self.least[k]
+        t[:] = _BIG
         t[0] = 0
         done = 0
-        for i, n in cells[keys[k]].items():
+        for i, n in self.docs[self.keys[k]].items():
             if n <= X:
-                t[n:] = np.minimum(t[n:], t[: X + 1 - n] + work[i])
+                t[n:] = np.minimum(t[n:], t[: X + 1 - n] + self.work[i])
                 done += 1
         return done * (X + 1)
 
-    spent = sum(fill(k) for k in range(len(keys)))
-    # trades made: (row of x, row of the set, x, its length, the set as (document, length))
-    done: list[tuple[int, int, int, int, list[tuple[int, int]]]] = []
-    for _ in range(_TRADES):
-        h = int(load.argmax())
-        if load[h] <= goal or spent > _TRADE_WORK:
-            break
-        xs = [(i, n, k) for k, key in enumerate(keys) if key[1] == h for i, n in cells[key].items() if 1 < n <= X]
-        if not xs:
-            break
-        xn = np.fromiter((n for _, n, _ in xs), dtype=np.int64, count=len(xs))
-        xw = np.fromiter((work[i] for i, _, _ in xs), dtype=np.int64, count=len(xs))
-        gain = xw[None, :] - least[:, xn]  # [cells, documents of h]
-        gain[col == h] = 0
-        if load[h] - np.maximum(gain.max(axis=0), 0).sum() > cap:
-            break  # every document of h traded at its best would not bring it under: give up
-        after = np.maximum(load[h] - gain, load[col][:, None] + gain)
-        after[(gain <= 0) | (load[col] >= goal)[:, None]] = big
-        j = int(np.argmin(after))
-        if not after.flat[j] < load[h]:
-            break
-        ko, kx = divmod(j, len(xs))
-        x, nx, kh = xs[kx]
-        (b, _), (b2, r2) = keys[kh], keys[ko]
-        take = _least_set(cells[keys[ko]], nx, work)
-        g = int(gain[ko, kx])
-        load[h] -= g
-        load[r2] += g
-        done.append((b, b2, x, nx, [(i, cells[keys[ko]][i]) for i in take]))
+    def givable(self, h: int) -> list[tuple[int, int, int]]:
+        """``(document, length, cell)`` of every document column ``h`` may give."""
+        docs, X = self.docs, self.X
+        return [(i, n, k) for k, key in enumerate(self.keys) if key[1] == h for i, n in docs[key].items() if 1 < n <= X]
+
+    def trade(self, kh: int, ko: int, x: int) -> _Trade:
+        """Document ``x`` of cell ``kh`` for the least-work set of its length in cell ``ko``."""
+        give, get = self.docs[self.keys[kh]], self.docs[self.keys[ko]]
+        nx = give[x]
+        take = _least_set(get, nx, self.work)
+        made = (self.keys[kh][0], self.keys[ko][0], x, nx, [(i, get[i]) for i in take])
         for i in take:
-            cells[keys[kh]][i] = cells[keys[ko]].pop(i)
-        cells[keys[ko]][x] = cells[keys[kh]].pop(x)
-        spent += fill(kh) + fill(ko)
-    if load.max() > cap:
+            give[i] = get.pop(i)
+        get[x] = give.pop(x)
+        self.spent += self._fill(kh) + self._fill(ko)
+        return made
+
+
+def _best_trade(cells: _Cells, load: np.ndarray, h: int, goal: float, cap: float) -> tuple[int, int, int, int] | None:
+    """``(cell of x, cell of the set, x, work moved)``: the trade of a document of the heaviest
+    column ``h`` that leaves the larger of the two columns lowest; None where none lowers
+    ``h``, or where every document of ``h`` traded at its best would not bring it under ``cap``."""
+    xs = cells.givable(h)
+    if not xs:
         return None
+    xn = np.fromiter((n for _, n, _ in xs), dtype=np.int64, count=len(xs))
+    xw = np.fromiter((cells.work[i] for i, _, _ in xs), dtype=np.int64, count=len(xs))
+    col = cells.col
+    gain = xw[None, :] - cells.least[:, xn]  # [cells, documents of h]
+    gain[col == h] = 0
+    if load[h] - np.maximum(gain.max(axis=0), 0).sum() > cap:
+        return None
+    after = np.maximum(load[h] - gain, load[col][:, None] + gain)
+    after[(gain <= 0) | (load[col] >= goal)[:, None]] = _BIG
+    j = int(np.argmin(after))
+    if not after.flat[j] < load[h]:
+        return None
+    ko, kx = divmod(j, len(xs))
+    x, _, kh = xs[kx]
+    return kh, ko, x, int(gain[ko, kx])
+
+
+def _traded_rows(rows: list[list[int]], lens: list[list[int]], done: list[_Trade]):
+    """The rows and lengths with the trades ``done`` made, in order: x's place takes the set,
+    the set's first document's place takes x."""
     rows, lens = [list(r) for r in rows], [list(x) for x in lens]
-    for b, b2, x, nx, got in done:  # the rows, trade by trade (only where they are kept)
-        # x's place takes the set, the set's first document's place takes x
+    for b, b2, x, nx, got in done:
         into = {x: got}
         into.update({i: [] for i, _ in got})
         into[next(i for i in rows[b2] if i in into and i != x)] = [(x, nx)]
@@ -112,15 +156,14 @@ def trade_cells(
                     row.append(m)
                     ln.append(q)
             rows[bb], lens[bb] = row, ln
-    return rows, lens, load.tolist()
+    return rows, lens
 
 
 def _least_set(cell: dict[int, int], total: int, work: list[int]) -> list[int]:
     """The documents of ``cell`` (doc -> length) summing to ``total`` tokens with the least work
     (one exists), by subset sum traced back."""
     items = [(i, n) for i, n in cell.items() if n <= total]
-    big = np.int64(1) << 60
-    tables = [np.full(total + 1, big, dtype=np.int64)]
+    tables = [np.full(total + 1, _BIG, dtype=np.int64)]
     tables[0][0] = 0
     for i, n in items:
         t = tables[-1].copy()
