@@ -286,3 +286,17 @@ def test_replans_skipped_only_where_none_could_be_kept(monkeypatch):
             rows = [cp_plan._price(r, ROW_COST) for r in ref.extra_rows]
             skipped += max(rows) - min(rows) <= cp_plan._ROW_MARGIN * max(w + x for w, x in zip(ref.work, rows))
     assert skipped > 0, "no layout exercised the skip"
+
+
+def test_plan_context_parallel_reads_the_tolerance_the_runtime_reads(monkeypatch):
+    """With its default, plan_context_parallel plans at cp.plan.TOLERANCE as it is at the call (a
+    bench may change it), as the runtime does: the same object as runtime_plan's."""
+    from doc_packed._doc_layout import get_layout
+    from doc_packed.cp import plan as cp_plan
+
+    S = 4096
+    cu = dp.cu_seqlens_from_lengths([lognormal_lengths(S, 512, random.Random(5))], S)
+    monkeypatch.setattr(cp_plan, "TOLERANCE", 0.2)
+    plan = dp.plan_context_parallel(cu, 4, num_heads=(16, 4))
+    assert plan.tolerance == 0.2
+    assert plan is cp_plan.runtime_plan(get_layout(cu, S), 4, True, -1, 0, 4.0)

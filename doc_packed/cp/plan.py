@@ -689,7 +689,7 @@ def plan_context_parallel(
     window_size: tuple[int, int] = (-1, -1),
     num_heads: tuple[int, int] | None = None,
     query_cost: float | None = None,
-    tolerance: float = TOLERANCE,
+    tolerance: float | None = None,
     row_cost: RowCost | None = ROW_COST,
 ) -> ContextParallelPlan:
     """The plan context parallelism runs for this layout over ``cp_size`` ranks.
@@ -698,7 +698,8 @@ def plan_context_parallel(
     the same boundaries as lists of ints per row (no tensor: usable under a fake-tensor mode).
     ``num_heads=(H_q, H_kv)`` are the attention's head counts (the runtime weighs moving a query
     against fetching a key/value row by ``H_q / H_kv``; ``query_cost`` sets that weight directly;
-    neither: 1.0). With the defaults for ``tolerance`` (allowed work imbalance above the mean) and
+    neither: 1.0). With the defaults for ``tolerance`` (allowed work imbalance above the mean; None:
+    :data:`TOLERANCE` as it is at the call, as the runtime reads it) and
     ``row_cost`` (the rows each rank's calls span, priced in pairs; None: pairs alone), this is
     exactly the plan ``doc_packed_attn`` runs for a call with those heads and this mask: the same
     object, memoised on the layout. The plan is a value: print it, keep it, pickle it, hand it
@@ -706,7 +707,7 @@ def plan_context_parallel(
     """
     check_count("cp_size", cp_size)
     qc = query_cost_of(num_heads, query_cost)
-    tolerance = check_cost("tolerance", tolerance)
+    tolerance = check_cost("tolerance", TOLERANCE if tolerance is None else tolerance)
     if row_cost is not None:
         if not isinstance(row_cost, tuple) or len(row_cost) != 3:
             raise TypeError(f"row_cost must be a RowCost (query, key, merged) or None, got {row_cost!r}")
