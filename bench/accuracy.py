@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from gpu_parity import HEAD_DIM, HEADS, MASKS, layouts, parity_errors  # noqa: E402
+from doc_packed_testing.gpu_parity import HEAD_DIM, HEADS, MASKS, layouts, parity_errors  # noqa: E402
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
 

@@ -158,7 +158,7 @@ def solve_case(
     ``our_pricing=False``: no pricing hook (AutoParallel rates our plain FLOP count at its one
     efficiency); ``topology=False``: AutoParallel detects the topology itself (on CPU: its
     fallback, torch's 87.7 GB/s link model)."""
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from autoparallel.api import AutoParallel
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
@@ -193,7 +193,7 @@ def solve_case(
         if topology:
             cost_model = cost_model_for(mesh, case.gpus_per_host)
         else:  # what a 4-GPU host gets: no NCCL config, torch's model with every dim inside a host
-            from ap_compat import gpus_per_host
+            from doc_packed_testing.ap_compat import gpus_per_host
 
             cost_model = "nccl"
             stack.enter_context(gpus_per_host(case.gpus_per_host))
@@ -319,7 +319,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one case's trace and solves")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from ap_compat import patch_autoparallel_for_torch
+    from doc_packed_testing.ap_compat import patch_autoparallel_for_torch
 
     patch_autoparallel_for_torch()
     from shardings.step_model import Rates

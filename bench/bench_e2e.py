@@ -71,7 +71,7 @@ sys.path.insert(0, HERE)  # e2e_models
 
 import doc_packed as dp  # noqa: E402
 import e2e_models as models  # noqa: E402
-from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
+from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
 from doc_packed.data import lognormal_lengths  # noqa: E402
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import doc_packed as dp  # noqa: E402
-from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
+from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
 from doc_packed_examples.model import Transformer, training_flops  # noqa: E402
 from doc_packed.data import lognormal_lengths  # noqa: E402
 

@@ -183,7 +183,7 @@ def run_one(
     process, plus the solver's for the ILP; counts)."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch.distributed as dist
-    from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
+    from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -54,7 +54,7 @@ def measured(file: str, mode: str) -> tuple[float, float, str]:
 def priced(mesh_shape, names, B, S, inputs, forced):
     """(per-op, fused) StepEstimate of the solved placement."""
     import ap_scenarios as scen
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from autoparallel.api import AutoParallel
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh

@@ -177,7 +177,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def ap_train(rank, world, *args, **kwargs):
-    from ap_compat import torch_patched_for_autoparallel
+    from doc_packed_testing.ap_compat import torch_patched_for_autoparallel
 
     with torch_patched_for_autoparallel():
         return _ap_train(rank, world, *args, **kwargs)
@@ -214,7 +214,7 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
     from shardings.compile import compile_placed
     from shardings.costs import pricing

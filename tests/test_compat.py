@@ -12,7 +12,7 @@ import torch
 import doc_packed as dp
 from doc_packed import compat
 from doc_packed.compat import cute
-from gpu_parity import cuda_packed
+from doc_packed_testing.gpu_parity import cuda_packed
 
 # ----------------------------------------------------------------------------- the peers' semantics
 

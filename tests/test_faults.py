@@ -26,7 +26,7 @@ import doc_packed as dp
 from doc_packed import _doc_layout
 from doc_packed.kernels import VarlenSpec
 from doc_packed.kernels import math as math_kernel
-from oracle import dense_mask, reference
+from doc_packed_testing.oracle import dense_mask, reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5)), (False, (0, 0))]

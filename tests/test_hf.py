@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 
 import doc_packed as dp  # noqa: E402
 import doc_packed.integrations.hf as dp_hf  # noqa: E402
-from oracle import dense_mask  # noqa: E402
+from doc_packed_testing.oracle import dense_mask  # noqa: E402
 
 # the KV cache's keyword: transformers 5.24 renamed past_key_values to cache (the old name warns)
 _CACHE_KWARG = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"

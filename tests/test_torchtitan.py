@@ -21,7 +21,7 @@ from torchtitan.protocols.module import Module  # noqa: E402
 
 import doc_packed as dp  # noqa: E402
 from doc_packed.integrations.torchtitan import DocPackedAttention, row_masks, use_doc_packed  # noqa: E402
-from oracle import reference  # noqa: E402
+from doc_packed_testing.oracle import reference  # noqa: E402
 
 ATOL = 2e-5
 

@@ -1,6 +1,6 @@
 """doc_packed_attn on CUDA against the float64 oracle: the errors the GPU tests bound.
 
-Shared by tests/test_gpu.py (which asserts tolerances on them) and bench/accuracy.py (which
+Shared by tests/test_gpu.py (which asserts tolerances on them) and ``bench.accuracy`` (which
 reports the worst values over the same grid).
 """
 
@@ -11,8 +11,8 @@ import random
 import torch
 
 import doc_packed as dp
-from conftest import random_lengths
-from oracle import reference
+from doc_packed_testing.oracle import random_lengths
+from doc_packed_testing.oracle import reference
 
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (64, 0)), (False, (32, 16))]
 HEADS = [(8, 8), (8, 2), (4, 1)]
