@@ -82,6 +82,29 @@ def test_imports_run_down():
     )
 
 
+def _edits_sys_path(tree: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "path" and ast.unparse(n.value) == "sys" for n in ast.walk(tree))
+
+
+def test_bench_imports_packages_not_tests():
+    """bench imports its siblings as ``bench.<module>`` and test helpers from
+    ``doc_packed_testing``: never a module of tests/ by bare name, never through ``sys.path``."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    bench_modules = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__"}
+    found = []
+    for p in sorted((ROOT / "bench").glob("*.py")) + _sources("doc_packed_testing"):
+        tree = ast.parse(p.read_text())
+        if _edits_sys_path(tree):
+            found.append(f"{_rel(p)} edits sys.path")
+        for line, module, _ in _imports(tree, _package(p)):
+            top = module.split(".")[0]
+            if top in test_modules or top == "tests" or top in bench_modules:
+                found.append(f"{_rel(p)}:{line} imports {module} by a bare name")
+            if p.parent.name == "doc_packed_testing" and top == "bench":
+                found.append(f"{_rel(p)}:{line} imports {module}: doc_packed_testing sits below bench")
+    assert not found, "bench/doc_packed_testing import rules:\n" + "\n".join(found)
+
+
 # what shardings may use of doc_packed (docs/architecture.md)
 SHARDINGS_MAY_IMPORT = {"doc_packed", "doc_packed.ops", "doc_packed.flops", "doc_packed.data", "doc_packed._compat"}
 

@@ -7,7 +7,7 @@
 5. Validation: clear errors naming the argument, also under torch.compile(fullgraph=True).
 
 Every test compares with an independent reference: the document computed alone (a call that
-holds nothing else), the float64 dense oracle (tests/oracle.py), or the exact error.
+holds nothing else), the float64 dense oracle (doc_packed_testing/oracle.py), or the exact error.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No downloads: configs are built in code, weights are random, sizes tiny. References: the same
 model with transformers' eager attention given a per-document mask built token by token by
-tests/oracle.py (one per layer type: full, sliding window), and each document run alone through
+doc_packed_testing/oracle.py (one per layer type: full, sliding window), and each document run alone through
 eager attention. Not transformers' own packed-sequence detection: GPT-OSS (5.23) builds its masks
 without ``position_ids``, so its eager and SDPA paths attend across packed documents.
 Tolerance (float32 on CPU): logits and gradients within 2e-5 absolute of eager (measured: logits <= 2.8e-6
