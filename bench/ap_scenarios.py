@@ -9,10 +9,11 @@ rates (``shardings.costs.pricing``).
 
 Usage::
 
-    python bench/ap_scenarios.py                       # the matrix, markdown table
-    python bench/ap_scenarios.py --root-cause          # the (cp 2, tp 2) case term by term
-    python bench/ap_scenarios.py --cases cp2tp2-64k --json out.json
-    python bench/ap_scenarios.py --profile             # where planning time goes (one case)
+    python -m bench.ap_scenarios                       # the matrix, markdown table
+    python -m bench.ap_scenarios --root-cause          # the (cp 2, tp 2) case term by term
+    python -m bench.ap_scenarios --cases cp2tp2-64k --json out.json
+    python -m bench.ap_scenarios --profile             # where planning time goes (one case)
+    python -m bench.ap_scenarios --dry-run             # the first case, one forced layout (needs AutoParallel)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import doc_packed as dp  # noqa: E402
-from doc_packed_examples.model import Transformer, training_flops  # noqa: E402
+import doc_packed as dp
+from bench._harness import add_dry_run
+from doc_packed_examples.model import Transformer, training_flops
 
 # the project's e2e model (bench/bench_e2e.py) and a narrower, deeper one; layers are few so a
 # CPU solve stays short (AutoParallel solves repeated layers once; the choice is per layer)
@@ -158,7 +157,7 @@ def solve_case(
     ``our_pricing=False``: no pricing hook (AutoParallel rates our plain FLOP count at its one
     efficiency); ``topology=False``: AutoParallel detects the topology itself (on CPU: its
     fallback, torch's 87.7 GB/s link model)."""
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from autoparallel.api import AutoParallel
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
@@ -193,7 +192,7 @@ def solve_case(
         if topology:
             cost_model = cost_model_for(mesh, case.gpus_per_host)
         else:  # what a 4-GPU host gets: no NCCL config, torch's model with every dim inside a host
-            from ap_compat import gpus_per_host
+            from doc_packed_testing.ap_compat import gpus_per_host
 
             cost_model = "nccl"
             stack.enter_context(gpus_per_host(case.gpus_per_host))
@@ -312,14 +311,15 @@ def table(results: list[CaseResult], peak: float) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(BY_NAME)}")
     ap.add_argument("--root-cause", action="store_true", help="the (cp 2, tp 2) case, AutoParallel's terms")
     ap.add_argument("--profile", action="store_true", help="cProfile one case's trace and solves")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    from ap_compat import patch_autoparallel_for_torch
+    add_dry_run(ap, "the first case (or --cases'), free and one forced layout: checks the script runs")
+    args = ap.parse_args(argv)
+    from doc_packed_testing.ap_compat import patch_autoparallel_for_torch
 
     patch_autoparallel_for_torch()
     from shardings.step_model import Rates
@@ -350,9 +350,11 @@ def main() -> None:
         stats.print_stats(r"(shardings|doc_packed)/", 30)  # ours: strategies, pricing, planner
         return
     results = []
+    if args.dry_run:
+        cases = cases[:1]
     for c in cases:
         t0 = time.perf_counter()
-        r = solve_case(c)
+        r = solve_case(c, layouts=offered_layouts(c)[:1] if args.dry_run else None)
         results.append(r)
         print(
             f"{c.name}: free {_words(r.free.layout)} {r.free.step.ms:.1f} ms, best forced {_words(r.best.forced)} "

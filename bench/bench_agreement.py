@@ -7,42 +7,31 @@ prints, per process-group backend: microseconds per agreement alone, and a cache
 backward with and without it (the difference is the agreement's cost in a step), and runs the
 cached path under ``torch.cuda.set_sync_debug_mode("error")`` (raises on a host sync).
 
-Usage (one GPU): ``python bench/bench_agreement.py --device cuda --backends nccl cpu:gloo,cuda:nccl``;
-CPU: ``python bench/bench_agreement.py --device cpu --backends gloo --world 2``.
+Usage (one GPU): ``python -m bench.bench_agreement --device cuda --backends nccl cpu:gloo,cuda:nccl``;
+CPU: ``python -m bench.bench_agreement --device cpu --backends gloo --world 2``.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
-import statistics
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from bench._harness import add_dry_run, init_process_group, spawn_ranks, timed_ms
 
 
 def _time(fn, n: int) -> float:
     """Median microseconds per call over ``n`` calls (after 5 warm-up calls)."""
-    for _ in range(5):
-        fn()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e6
+    return timed_ms(fn, warmup=5, iters=n, clock="wall") * 1e3
 
 
-def _rank(rank, world, port, args, backend, queue):
+def _rank(rank, world, port, args, backend):
     torch.set_num_threads(1)
     dev = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(dev)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    init_process_group(rank, world, port, backend)
     import doc_packed as dp
     from doc_packed.cp import comm
 
@@ -85,12 +74,12 @@ def _rank(rank, world, port, args, backend, queue):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     companion = comm._channels[group.group_name][1].backend is not None
-    queue.put(dict(rank=rank, agree=agree_us, step=step_us, bare=bare_us, sync=sync_ok, companion=companion))
     dist.barrier()
     dist.destroy_process_group()
+    return dict(rank=rank, agree=agree_us, step=step_us, bare=bare_us, sync=sync_ok, companion=companion)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backends", nargs="+", default=["nccl", "cpu:gloo,cuda:nccl"])
@@ -98,22 +87,15 @@ def main():
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--calls", type=int, default=2000, help="agreement calls timed")
     ap.add_argument("--steps", type=int, default=50, help="CP forward+backward steps timed")
-    args = ap.parse_args()
+    add_dry_run(ap, "2 gloo ranks on CPU, 1024 tokens, a few calls: checks the script runs")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.device, args.backends, args.world, args.seq, args.calls, args.steps = "cpu", ["gloo"], 2, 1024, 5, 2
     print(f"bench_agreement: {args.world} rank(s), {args.device}, S={args.seq}, torch {torch.__version__}")
     print("| process group | agreement on | agreement us/call | CP fwd+bwd us | without agreement us | difference | cached path |")
     print("|---|---|---|---|---|---|---|")
-    ctx = mp.get_context("spawn")
     for backend in args.backends:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, backend, queue)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        res = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
+        res = spawn_ranks(_rank, args.world, args, backend)
         r = max(res, key=lambda r: r["agree"])  # the slowest rank
         where = "gloo companion" if r["companion"] else "the group itself"
         print(

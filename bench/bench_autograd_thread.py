@@ -8,15 +8,16 @@ three ways: in the calling thread (the anchor), inside a backward that autograd 
 device thread (the default), and inside the same backward with
 ``torch.autograd.set_multithreading_enabled(False)`` (the backward runs on the calling thread).
 Prints microseconds per op and the ratio to the anchor.
-Usage: ``python bench/bench_autograd_thread.py [--ops 400] [--repeats 30]``.
+Usage: ``python -m bench.bench_autograd_thread [--ops 400] [--repeats 30]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+
+from bench._harness import add_dry_run, device_name, timed_ms
 
 
 class _Ops(torch.autograd.Function):
@@ -35,25 +36,23 @@ class _Ops(torch.autograd.Function):
         return g, None
 
 
-def _host_us(fn, n: int, repeats: int) -> float:
+def _host_us(fn, n: int, repeats: int, device: str = "cuda") -> float:
     """Median host microseconds per op of ``fn`` (synchronised before each start)."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] / n * 1e6
+    return timed_ms(fn, warmup=0, iters=repeats, clock="host", device=device) / n * 1e3
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
+    add_dry_run(ap, "on CPU, 20 ops, 3 repeats: checks the script runs")
+    args = ap.parse_args(argv)
+    dev = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.ops, args.repeats = 20, 3
     n = args.ops
-    y = torch.zeros(64, device="cuda")
-    x = torch.zeros(64, device="cuda", requires_grad=True)
+    y = torch.zeros(64, device=dev)
+    x = torch.zeros(64, device=dev, requires_grad=True)
 
     def main_thread():
         for _ in range(n):
@@ -64,13 +63,13 @@ def main():
 
     rows = []
     for _ in range(2):  # alternated, twice: this host drifts between runs
-        rows.append(("calling thread (anchor)", _host_us(main_thread, n, args.repeats)))
+        rows.append(("calling thread (anchor)", _host_us(main_thread, n, args.repeats, dev)))
         torch.autograd.set_multithreading_enabled(True)
-        rows.append(("backward, autograd device thread (default)", _host_us(in_backward, n, args.repeats)))
+        rows.append(("backward, autograd device thread (default)", _host_us(in_backward, n, args.repeats, dev)))
         torch.autograd.set_multithreading_enabled(False)
-        rows.append(("backward, multithreading disabled", _host_us(in_backward, n, args.repeats)))
+        rows.append(("backward, multithreading disabled", _host_us(in_backward, n, args.repeats, dev)))
         torch.autograd.set_multithreading_enabled(True)
-    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  {n} ops of x.add_(1) per call")
+    print(f"device {device_name(dev)}  torch {torch.__version__}  {n} ops of x.add_(1) per call")
     print("| where the ops launch | us per op | / anchor |\n|---|---|---|")
     for i, (name, us) in enumerate(rows):
         anchor = rows[i - i % 3][1]

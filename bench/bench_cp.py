@@ -14,7 +14,7 @@ gradients against the one-GPU op, which kernel the one-GPU op ran, and (``--prof
 torch.profiler split of each rank's forward+backward: attention kernels, copies, communication,
 other, and how much of the communication ran while no compute kernel did (exposed).
 
-Usage: ``python bench/bench_cp.py [--gpus 2] [--sizes 65536,131072,262144] [--json f]
+Usage: ``python -m bench.bench_cp [--gpus 2] [--sizes 65536,131072,262144] [--json f]
 [--packing greedy|cp|both] [--means 2048,512] [--one-doc-max 262144] [--profile]`` (``cp``: the
 same lognormal documents in CP-aware order, ``doc_packed.data.pack_order``; the layout is then named
 "lognormal 2k cp-packed"). The all-gather baseline runs on the kernel ``backend="auto"`` picks
@@ -43,7 +43,7 @@ from doc_packed.kernels import VarlenSpec
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
-BACKEND = "auto"  # --cpu-dry-run switches to the exact CPU kernel, gloo and float32
+BACKEND = "auto"  # --dry-run switches to the exact CPU kernel, gloo and float32
 
 
 def _sync():
@@ -451,13 +451,13 @@ def worker(
     dist.destroy_process_group()
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--sizes", default="65536,131072,262144")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="CPU/gloo, fp32, tiny heads: checks the script (pass small --sizes, e.g. 2048,4096)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU/gloo, fp32, tiny heads: checks the script (pass small --sizes, e.g. 2048,4096)")
     ap.add_argument(
         "--packing", choices=["greedy", "cp", "both"], default="greedy",
         help="document order of the lognormal row: as drawn (greedy), CP-aware (doc_packed.data.pack_order with cp_size=--gpus), or both",
@@ -465,7 +465,7 @@ def main():
     ap.add_argument("--means", default="2048", help="lognormal mean document lengths, e.g. 2048,512")
     ap.add_argument("--one-doc-max", type=int, default=1 << 62, help="time the one-document row only up to this S")
     ap.add_argument("--profile", action="store_true", help="torch.profiler split of our forward+backward on every rank")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     means = tuple(int(x) for x in args.means.split(","))
     with socket.socket() as s:
@@ -473,7 +473,7 @@ def main():
         port = s.getsockname()[1]
     mp.spawn(
         worker,
-        args=(args.gpus, port, sizes, args.json, args.quick, args.cpu_dry_run, args.packing, means, args.one_doc_max, args.profile),
+        args=(args.gpus, port, sizes, args.json, args.quick, args.dry_run, args.packing, means, args.one_doc_max, args.profile),
         nprocs=args.gpus,
     )
 

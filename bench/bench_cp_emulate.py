@@ -21,7 +21,9 @@ thread costs a host-bound rank.
 ``--split-all`` profiles every rank, not only the slowest: its kernel split, its top kernels
 (``--top N``) and its planned pairs, so ranks with equal pairs can be compared kernel by kernel.
 
-``--impl DIR`` imports ``doc_packed`` from ``DIR`` (e.g. an older checkout, for a before/after).
+For a before/after against another checkout's ``doc_packed`` (Python >= 3.11), run this checkout's
+script with the other tree first on the path and the working directory not prepended:
+``PYTHONSAFEPATH=1 PYTHONPATH=DIR:. python -m bench.bench_cp_emulate ...``.
 
 ``--rounds R`` times every rank (and the anchor) R times in turn and keeps each one's median:
 the GPU drifts between measurements (one rank measured once with identical kernels moved by
@@ -40,9 +42,9 @@ a model. Each rank's host ms per call is reported beside its GPU ms.
 the layers of a step) instead of one call between two events, which charges the host's lead-in
 to every call: the fairer figure for host-bound ranks (CP >= 8), applied to the anchor too.
 
-    python bench/bench_cp_emulate.py --seq 131072 262144 --cp 2 4 8 --json out.json
-    python bench/bench_cp_emulate.py --check --seq 16384 --cp 2 4
-    python bench/bench_cp_emulate.py --packing both --seq 131072 262144 --cp 2 4 8   # greedy vs CP-aware rows
+    python -m bench.bench_cp_emulate --seq 131072 262144 --cp 2 4 8 --json out.json
+    python -m bench.bench_cp_emulate --check --seq 16384 --cp 2 4
+    python -m bench.bench_cp_emulate --packing both --seq 131072 262144 --cp 2 4 8   # greedy vs CP-aware rows
 
 ``--packing cp`` reorders each lognormal row's documents for the run's CP size
 (``doc_packed.data.pack_order``): same documents, same one-GPU work, the per-rank split changes.
@@ -54,13 +56,22 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import threading
 import time
 
+import torch
 
-def _args():
-    p = argparse.ArgumentParser()
+import doc_packed as dp
+from bench._harness import add_dry_run, device_name, sync, timed_ms
+from bench.emulated_layouts import emulated_lengths
+from doc_packed import _doc_layout, kernels
+from doc_packed.cp import comm
+from doc_packed.cp import plan as cp_plan
+from doc_packed.cp.plan import owner_ranges
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[131072, 262144])
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layouts", nargs="+", default=["one doc", "lognormal 2k", "lognormal 512"])
@@ -117,24 +128,14 @@ def _args():
         "a few host microseconds) and subtract their time: the rank's GPU time when the host is not the "
         "bottleneck; each rank's host ms per call is reported beside it",
     )
-    p.add_argument("--impl", default=None)
     p.add_argument("--json", default=None)
-    return p.parse_args()
+    add_dry_run(p, "one lognormal row of 512 tokens at CP 2 on CPU (float32), one timed call: checks the script runs")
+    return p
 
 
-ARGS = _args()
-if ARGS.impl:
-    sys.path.insert(0, ARGS.impl)
-
-import torch  # noqa: E402
-
-import doc_packed as dp  # noqa: E402
-from doc_packed import _doc_layout, kernels  # noqa: E402
-from doc_packed.cp import plan as cp_plan  # noqa: E402
-from doc_packed.cp import comm  # noqa: E402
-from doc_packed.cp.plan import owner_ranges  # noqa: E402
-from emulated_layouts import emulated_lengths  # noqa: E402
-
+# the run's options: main() sets them (importers, e.g. bench.profile_cp_rank, set their own)
+ARGS = _parser().parse_args([])
+DEVICE, DTYPE = "cuda", torch.bfloat16
 GROUP = "emulated"
 
 
@@ -289,12 +290,12 @@ def _install(impl) -> None:
 
 
 def _problem(S, lengths, Hq, Hkv, D, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).cuda()
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(1, S, Hq, D, device=DEVICE, dtype=DTYPE, generator=g)
+    k = torch.randn(1, S, Hkv, D, device=DEVICE, dtype=DTYPE, generator=g)
+    v = torch.randn(1, S, Hkv, D, device=DEVICE, dtype=DTYPE, generator=g)
+    dout = torch.randn(q.shape, device=DEVICE, dtype=DTYPE, generator=g)
+    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(DEVICE)
     return q, k, v, dout, cu
 
 
@@ -314,20 +315,12 @@ def _new_layout(run):
 def _timed(fn, iters: int) -> float:
     """Median ms of one call between two CUDA events (``--back-to-back N``: of N calls in a row,
     divided by N)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
     if ARGS.back_to_back:
-        return _timed_back_to_back(fn, iters, ARGS.back_to_back)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        fn()
+        sync(DEVICE)
+        return _timed_back_to_back(fn, iters, ARGS.back_to_back)
+    return timed_ms(fn, warmup=2, iters=iters, device=DEVICE)
 
 
 _FILLER: dict = {}
@@ -410,13 +403,15 @@ _COPY = re.compile(r"copy|cat|index|gather|scatter", re.I)
 def _split(run) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
         run()
-        torch.cuda.synchronize()
+        sync(DEVICE)
     out: dict = {"attention_ms": 0.0, "copy_ms": 0.0, "other_ms": 0.0}
     top = []
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        us = e.self_cpu_time_total if DEVICE != "cuda" else (
+            getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        )
         if us <= 0:
             continue
         kind = "attention_ms" if _ATTN.search(e.key) else "copy_ms" if _COPY.search(e.key) else "other_ms"
@@ -533,7 +528,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     parts = []
     for r, ch in enumerate(chunks):
         n = sum(ch)
-        cu_r = dp.cu_seqlens_from_lengths([ch], n, max_docs=len(ch) + 8).cuda()
+        cu_r = dp.cu_seqlens_from_lengths([ch], n, max_docs=len(ch) + 8).to(DEVICE)
         parts.append(_fwd_bwd(*(t.chunk(c, dim=1)[r].contiguous() for t in (q, k, v, dout)), cu_r, n, None))
     one_t, part_t = [], [[] for _ in parts]
     for _ in range(ARGS.rounds):
@@ -591,15 +586,20 @@ def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
     return dict(S=S, layout=layout, packing=packing, cp=c, rel_out=rel[0], rel_dq=rel[1], rel_dk=rel[2], rel_dv=rel[3], ok=ok)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
+    global ARGS, DEVICE, DTYPE
+    ARGS = _parser().parse_args(argv)
+    if ARGS.dry_run:
+        DEVICE, DTYPE = "cpu", torch.float32
+        ARGS.seq, ARGS.cp, ARGS.layouts, ARGS.heads, ARGS.head_dim, ARGS.iters = [512], [2], ["lognormal 512"], [4, 2], 16, 1
     Hq, Hkv = ARGS.heads
     if ARGS.tolerance is not None:
         cp_plan.TOLERANCE = ARGS.tolerance  # what the runtime plans with (runtime_plan reads it)
     if ARGS.autograd_threads == "off":
         torch.autograd.set_multithreading_enabled(False)
     rows = []
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} doc_packed from {dp.__file__}")
-    print("backends:", {k: v for k, v in kernels.reasons(torch.empty(1, 1, 128, device='cuda', dtype=torch.bfloat16)).items()})
+    print(f"device {device_name(DEVICE)} torch {torch.__version__} doc_packed from {dp.__file__}")
+    print("backends:", {k: v for k, v in kernels.reasons(torch.empty(1, 1, 128, device=DEVICE, dtype=DTYPE)).items()})
     for S in ARGS.seq:
         for layout in ARGS.layouts:
             if layout == "one doc" and S > ARGS.max_one_doc:
@@ -648,7 +648,7 @@ def main():
                             print("          ", t)
     if ARGS.json:
         with open(ARGS.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(device=device_name(DEVICE), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

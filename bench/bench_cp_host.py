@@ -7,7 +7,7 @@ layout by layout between the intra-op thread pool the launcher leaves (``torch.m
 as wide as the host) and one thread. Every layout is new. The anchor is the one-thread figure of
 the same run: the ratio says how much the thread pool costs. ``--device cuda`` queues the
 indices on the rank's GPU as the runtime does.
-Usage: ``python bench/bench_cp_host.py [--ranks 4] [--layouts 20] [--device cpu|cuda]``.
+Usage: ``python -m bench.bench_cp_host [--ranks 4] [--layouts 20] [--device cpu|cuda]``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 import doc_packed as dp
+from bench._harness import add_dry_run, spawn_ranks
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
 
@@ -36,16 +37,18 @@ def _schedule(layout, world, rank, device):
     return attention._schedule(layout, (world, rank, True, -1, 0, HQ, HKV, device))  # before prepare()
 
 
-def rank_main(rank, world, args, barrier, queue):
+def rank_main(rank, world, port, args, barrier):
     device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     settings = (torch.get_num_threads(), 1)
-    for B, S in CASES:
+    rows = []
+    for B, S in (CASES[:1] if args.dry_run else CASES):
         times: list[list[float]] = [[], []]
         cpu: list[list[float]] = [[], []]  # process CPU time: all threads, robust to a loaded host
         for i in range(2 * args.layouts + 2):
             which = i % 2
             torch.set_num_threads(settings[which])
             rng = random.Random(hash((B, S, i)) & 0xFFFFFFF)
+            S = 4096 if args.dry_run else S
             cu = dp.cu_seqlens_from_lengths([dp.data.lognormal_lengths(S, 2048, rng) for _ in range(B)], S, max_docs=S // 8)
             barrier.wait()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -57,23 +60,21 @@ def rank_main(rank, world, args, barrier, queue):
                 times[which].append((time.perf_counter() - t0) * 1e3)
                 cpu[which].append((time.process_time() - c0) * 1e3)
         stats = [(statistics.median(t), max(t), statistics.median(c)) for t, c in zip(times, cpu)]
-        queue.put((rank, B, S, settings, stats))
+        rows.append((rank, B, S, settings, stats))
+    return rows
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layouts", type=int, default=20)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(args.ranks), ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.ranks, args, barrier, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    rows = sorted(queue.get() for _ in range(args.ranks * len(CASES)))
-    for p in procs:
-        p.join()
+    add_dry_run(ap, "2 ranks, 2 layouts of 4 x 4096 tokens: checks the script runs")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.ranks, args.layouts, args.device = 2, 2, "cpu"
+    barrier = mp.get_context("spawn").Barrier(args.ranks)  # spawn_ranks' processes are spawned
+    rows = sorted(row for rank_rows in spawn_ranks(rank_main, args.ranks, args, barrier) for row in rank_rows)
     print(f"host: {os.cpu_count()} CPUs, {args.ranks} ranks at once, torch {torch.__version__}, doc_packed from "
           f"{os.path.dirname(dp.__file__)}, device {args.device}, lognormal mean 2k, Hq/Hkv {HQ}/{HKV}")
     print("ms per new layout, wall (median / max) and the process's CPU time (median, all its threads)")

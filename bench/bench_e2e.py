@@ -29,7 +29,7 @@ left (``torch.multiprocessing.spawn``: as wide as the host; ``torchrun``: 1 unle
 OMP_NUM_THREADS says otherwise) and with one thread (``--threads``), printing every step's time,
 the slowest over the median, and what the steps cost the host (schedules built, device reads).
 Launch with ``--gpus N`` (spawn) or under ``torchrun --nproc-per-node N bench/bench_e2e.py``.
-Needs AutoParallel (git) and pulp. On torch 2.11 the test shim in tests/ap_compat.py is applied.
+Needs AutoParallel (git) and pulp. On torch 2.11 the shims of ``doc_packed_testing.ap_compat`` are applied.
 
 Models (``--model``, bench/e2e_models.py): ``example`` (the default: the historical runs, SGD and
 bf16 parameters), and in Llama-3-8B's shape (``--layers`` of them) ``llama8b`` (the example model
@@ -44,7 +44,7 @@ library's own way). The anchor also runs the library's own attentions on the sam
 (``--attn``, default doc_packed and theirs: transformers ``sdpa,flex_attention``, torchtitan
 ``varlen,flex``). Every run reports the loss per document (mean over the batch's documents of each
 document's mean token loss) next to the token-mean loss.
-Usage: ``python bench/bench_e2e.py [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--cpu-dry-run]
+Usage: ``python -m bench.bench_e2e [--gpus 2] [--seq 32768] [--batch 2] [--compile auto] [--dry-run]
 [--model hf-llama --layers 4 --ac]``.
 """
 
@@ -55,24 +55,17 @@ import contextlib
 import gc
 import json
 import os
-import socket
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's doc_packed / shardings, not an installed copy
-sys.path.insert(0, HERE)  # e2e_models
-
-import doc_packed as dp  # noqa: E402
-import e2e_models as models  # noqa: E402
-from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed.data import lognormal_lengths  # noqa: E402
+import doc_packed as dp
+from bench import e2e_models as models
+from bench._harness import add_dry_run, spawn_ranks
+from doc_packed.data import lognormal_lengths
+from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
 
 
 def solved_input_placements(autop, placement):
@@ -562,18 +555,18 @@ def worker(rank, world, port, args):
     patch_autoparallel_for_torch()
     from torch.distributed.device_mesh import init_device_mesh
 
-    if args.cpu_dry_run:
+    if args.dry_run:
         device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
     else:
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
-    spec = models.spec_for(args.model, layers=args.layers, dim=args.dim, checkpoint=args.ac, tiny=args.cpu_dry_run)
+    spec = models.spec_for(args.model, layers=args.layers, dim=args.dim, checkpoint=args.ac, tiny=args.dry_run)
     real = args.model != "example"  # the real-settings runs: AdamW, bf16 mixed precision
     train = Settings(
         optim=args.optim or ("adamw" if real else "sgd"), mp=args.mp or ("bf16" if real else "off"), lr=args.lr
     )
-    defaults = models.DEFAULT_ANCHOR_CPU if args.cpu_dry_run else models.DEFAULT_ANCHOR
+    defaults = models.DEFAULT_ANCHOR_CPU if args.dry_run else models.DEFAULT_ANCHOR
     attns = args.attn.split(",") if args.attn else defaults[args.model].split(",")
     init = "env://" if port is None else f"tcp://127.0.0.1:{port}"  # torchrun: its rendezvous
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
@@ -720,7 +713,7 @@ def worker(rank, world, port, args):
     dist.destroy_process_group()
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32768)
@@ -777,15 +770,12 @@ def main():
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (SGD), 8e-4 (AdamW)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing: every block recomputed")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cpu-dry-run", action="store_true")
-    args = ap.parse_args()
+    add_dry_run(ap, "gloo ranks on CPU, float32, the models' tiny shape (pass small sizes too: --seq 256 ...)")
+    args = ap.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.gpus, port, args), nprocs=args.gpus)
+    spawn_ranks(worker, args.gpus, args)
 
 
 if __name__ == "__main__":

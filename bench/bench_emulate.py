@@ -22,8 +22,8 @@ For each layout (dp, cp, (dp, cp), (cp, tp), (dp, tp)), row length and model, on
 
 Usage (one GPU; needs AutoParallel and pulp)::
 
-    python bench/bench_emulate.py --world 2 --layouts dp,cp --seq 32768 --docs one,lognormal
-    python bench/bench_emulate.py --cpu-dry-run      # tiny sizes on CPU, checks the plumbing
+    python -m bench.bench_emulate --world 2 --layouts dp,cp --seq 32768 --docs one,lognormal
+    python -m bench.bench_emulate --dry-run --seq 256 --steps 1 --warmup 1 --rounds 1   # CPU, checks the plumbing
 """
 
 from __future__ import annotations
@@ -31,19 +31,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import doc_packed as dp  # noqa: E402
-from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch  # noqa: E402
-from doc_packed_examples.model import Transformer, training_flops  # noqa: E402
-from doc_packed.data import lognormal_lengths  # noqa: E402
+import doc_packed as dp
+from bench._harness import add_dry_run, device_name, sync, timed_ms
+from doc_packed.data import lognormal_lengths
+from doc_packed_examples.model import Transformer, training_flops
+from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
 
 # layout -> (mesh dim names, token placement letters, forced attention kinds, batch rows per dp rank)
 LAYOUTS = {
@@ -98,21 +95,13 @@ def make_layouts(n: int, B: int, S: int, docs: str, device, seed0: int = 0) -> l
     return out
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_steps(step, cus, device, warmup: int) -> float:
     """Mean seconds per step over ``cus[warmup:]`` (each step gets its own cu_seqlens)."""
     for cu in cus[:warmup]:
         step(cu)
-    sync(device)
-    t0 = time.perf_counter()
-    for cu in cus[warmup:]:
-        step(cu)
-    sync(device)
-    return (time.perf_counter() - t0) / (len(cus) - warmup)
+    timed = iter(cus[warmup:])
+    n = len(cus) - warmup
+    return timed_ms(lambda: step(next(timed)), warmup=0, iters=1, calls=n, clock="wall", device=device) / 1e3
 
 
 def gpu_warmup(device, seconds: float = 3.0) -> None:
@@ -315,7 +304,7 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
     return rows
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2, help="ranks of the emulated mesh")
     ap.add_argument("--layouts", default="dp,cp", help=f"any of {sorted(LAYOUTS)}")
@@ -331,12 +320,12 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--skip-eager", action="store_true", help="skip the eager placed module")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cpu-dry-run", action="store_true")
-    args = ap.parse_args()
+    add_dry_run(ap, "a 2-layer model of width 64 on CPU, float32 (pass small sizes too: --seq 256 ...)")
+    args = ap.parse_args(argv)
     patch_autoparallel_for_torch()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if args.cpu_dry_run:
+    if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         cfgs = [dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, n_layers=2)]
     else:
@@ -355,7 +344,9 @@ def main():
             for layout in args.layouts.split(","):
                 try:
                     got = emulate(layout, args.world, cfg, S, kinds, device, dtype, args, plain)
-                except Exception as e:  # report and go on
+                except Exception as e:  # report and go on (a dry run fails)
+                    if args.dry_run:
+                        raise
                     import traceback
 
                     got = [dict(layout=layout, docs=",".join(kinds), error=f"{type(e).__name__}: {e}"[:1500],
@@ -364,8 +355,7 @@ def main():
                     r.update(dim=cfg["dim"], S=S)
                     print(json.dumps(r), flush=True)
                     rows.append(r)
-    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\ndevice: {dev}  torch {torch.__version__}  emulated world {args.world} (rank 0, fake group)")
+    print(f"\ndevice: {device_name(device)}  torch {torch.__version__}  emulated world {args.world} (rank 0, fake group)")
     print("| dim | S | docs | layout | mesh | plain row ms (eager / compiled) | placed eager ms | placed compiled ms "
           "| eff vs plain eager | vs plain compiled | MFU | new layout ms | GPU busy | kernels ms (attn / gemm / elem / copy) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

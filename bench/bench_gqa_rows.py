@@ -13,7 +13,7 @@ anchor, measured in the same run) and on folded rows (the folding copies include
 each gradient between the two relative to the float64 reference's largest value (and the error
 of each against that reference, where the shape is small enough to compute it).
 
-    python bench/bench_gqa_rows.py [--json out.json]
+    python -m bench.bench_gqa_rows [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import torch
 
 from doc_packed.kernels import VarlenSpec, fa4
-from measure_rates import timed_ms  # bench/ is on the path when a script here runs
+from bench._harness import timed_ms
 
 HQ, HKV, D = 32, 8, 128
 
@@ -222,11 +222,11 @@ def run_splits(reps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = run(args.reps)
     splits = run_splits(args.reps)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, Hq {HQ} / Hkv {HKV} / D {D}, non-causal")

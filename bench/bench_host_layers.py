@@ -5,7 +5,7 @@ per call are host cost. Each row adds one layer on top of the previous one, from
 entry points up to ``doc_packed_attn`` with autograd, so the difference between two rows is
 what that layer costs. The anchor is FA4's public ``flash_attn_varlen_func`` measured in the
 same run. ``--profile`` prints cProfile's top functions of our forward+backward.
-Usage: ``python bench/bench_host_layers.py [--seq 1024] [--profile]``.
+Usage: ``python -m bench.bench_host_layers [--seq 1024] [--profile]``.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ import pstats
 import torch
 
 import doc_packed as dp
-from bench_op import per_call_us
+from bench.bench_op import per_call_us
 from doc_packed import kernels
 from doc_packed.ops import _local_problem
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="time each layer inside our forward+backward")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from flash_attn.cute import flash_attn_varlen_func
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 

@@ -17,7 +17,8 @@ kernel).
 TFLOP/s use causal FLOPs: forward ``4 * pairs * Hq * D``, forward+backward 3.5x that
 (flash-attention's convention), pairs = visible (query, key) pairs. The last column is ours
 over the faster raw kernel. Usage:
-``python bench/bench_op.py [--sizes 16384,65536] [--layouts ...] [--json out.json]``.
+``python -m bench.bench_op [--sizes 16384,65536] [--layouts ...] [--json out.json]``.
+``--dry-run``: ours alone, one 256-token document on CPU (float32, small heads).
 
 ``--fa4`` runs the FlashAttention-4 grid instead (see :func:`fa4_cells`): raw FA4
 (``flash_attn.cute.flash_attn_varlen_func`` on ``[B*S, H, D]`` views of the same tensors, offsets
@@ -39,6 +40,8 @@ import time
 import torch
 
 import doc_packed as dp
+from bench import _harness
+from bench._harness import add_dry_run, device_name, timed_ms
 from doc_packed_examples.model import random_attention_problem
 from doc_packed.data import lognormal_lengths
 from doc_packed._mask import doc_pairs
@@ -62,22 +65,7 @@ def bench(fn, warmup=5, iters=20, sync=False) -> float:
     where the host cannot keep up. Host cost per call is measured by bench_overhead.py.
     ``sync=True`` synchronises after every call: the time then includes the host's launch work.
     """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-        if sync:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in events)
-    return times[len(times) // 2]
+    return timed_ms(fn, warmup=warmup, iters=iters, sync_each=sync)
 
 
 def raw_varlen(q, k, v, cu, max_len):
@@ -99,17 +87,17 @@ def flex_setup(S, lengths, device):
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    torch.cuda.synchronize()
+    _harness.sync(device)
     t0 = time.perf_counter()
     block_mask = create_block_mask(mask_mod, None, None, S, S, device=device)
-    torch.cuda.synchronize()
+    _harness.sync(device)
     build_ms = (time.perf_counter() - t0) * 1e3
     compiled = torch.compile(flex_attention, dynamic=False)  # one static graph per size
     return compiled, block_mask, build_ms
 
 
-def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.bfloat16):
-    dev = "cuda"
+def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.bfloat16, dev="cuda", labels=None):
+    """Every variant (``labels``: those only) on one layout."""
     q, k, v, dout, cu = random_attention_problem(lengths, S, (Hq, Hkv), D, dtype, dev, seed=0)
     flat_cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), device=dev, dtype=torch.int32)
     pairs = sum(doc_pairs(n, True, -1, 0) for n in lengths)
@@ -134,8 +122,10 @@ def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.
     mk_raw = lambda a, b, c: raw_varlen(a.view(S, Hq, D), b.view(S, Hkv, D), c.view(S, Hkv, D), flat_cu, max(lengths))  # noqa: E731
     def mk_ours(backend):
         return lambda a, b, c: (lambda: dp.doc_packed_attn(a, b, c, cu, backend=backend, causal=True))
-    compiled, block_mask, build_ms = flex_setup(S, lengths, dev)
-    res["blockmask_build_ms"] = build_ms
+    compiled = block_mask = None
+    if labels is None or "flex" in labels:
+        compiled, block_mask, build_ms = flex_setup(S, lengths, dev)
+        res["blockmask_build_ms"] = build_ms
     mk_flex = lambda a, b, c: (  # noqa: E731
         lambda: compiled(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), block_mask=block_mask, enable_gqa=True)
     )
@@ -143,11 +133,14 @@ def run(S: int, name: str, lengths: list[int], Hq=32, Hkv=8, D=128, dtype=torch.
         ("varlen", mk_raw), ("flex", mk_flex), ("ours", mk_ours("auto")),
         ("ours-flash", mk_ours("flash")), ("ours-flex", mk_ours("flex")),
     )
+    variants = tuple(v for v in variants if labels is None or v[0] in labels)
     for label, mk in variants * REPEATS:  # each variant timed REPEATS times, best kept
         try:
             f_ms = timed(mk, False)
             fb_ms = timed(mk, True)
-        except Exception as e:  # report, keep going
+        except Exception as e:  # report, keep going (a dry run fails)
+            if dev == "cpu":
+                raise
             res[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue
         if label in res and res[label].get("fwdbwd_ms", math.inf) <= fb_ms:
@@ -278,14 +271,7 @@ def run_fa4(cell: dict) -> dict:
 
 def per_call_us(fn, iters: int = 300, warmup: int = 20) -> float:
     """Host microseconds per call: ``iters`` calls launched back to back, one sync at the end."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return timed_ms(fn, warmup=warmup, iters=1, calls=iters, clock="wall") * 1e3
 
 
 def fa4_host_cost(calls: int = 200) -> dict:
@@ -368,21 +354,25 @@ def main_fa4(args) -> None:
             json.dump({"meta": meta, "rows": rows, "host_us": host}, f, indent=1)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16384,65536", help="comma-separated row lengths")
     ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
     ap.add_argument("--json", default=None, help="write raw results here")
     ap.add_argument("--fa4", action="store_true", help="the FlashAttention-4 grid (see fa4_cells)")
-    args = ap.parse_args()
+    add_dry_run(ap)
+    args = ap.parse_args(argv)
     if args.fa4:
         return main_fa4(args)
     rows = []
-    for S in (int(x) for x in args.sizes.split(",")):
+    if args.dry_run:
+        rows.append(run(256, "one doc", [256], Hq=4, Hkv=2, D=16, dtype=torch.float32, dev="cpu", labels=("ours",)))
+        print(json.dumps(rows[-1]), flush=True)
+    for S in () if args.dry_run else (int(x) for x in args.sizes.split(",")):
         for name in args.layouts.split(","):
             rows.append(run(S, name, LAYOUTS[name](S)))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\ndevice: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 Hq=32 Hkv=8 D=128 B=1")
+    print(f"\ndevice: {device_name('cpu' if args.dry_run else 'cuda')}  torch {torch.__version__}  bf16 Hq=32 Hkv=8 D=128 B=1")
     print("TFLOP/s (causal FLOPs); ours/best = ours over the faster of varlen and flex\n")
     print(table(rows))
     if args.json:

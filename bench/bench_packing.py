@@ -17,10 +17,10 @@ Goal cells: a shard holds at least 8 mean documents. There the goal is zero quer
 K/V <= 1% of all-gather, imbalance <= 1.02, padding <= 0.5%.
 
 Usage:
-    python bench/bench_packing.py                     # the grid, tables in Markdown
-    python bench/bench_packing.py --quick             # a few points
-    python bench/bench_packing.py --stream            # streaming look-ahead trade-off only
-    python bench/bench_packing.py --timing            # packing time of 1M tokens only
+    python -m bench.bench_packing                     # the grid, tables in Markdown
+    python -m bench.bench_packing --quick             # a few points
+    python -m bench.bench_packing --stream            # streaming look-ahead trade-off only
+    python -m bench.bench_packing --timing            # packing time of 1M tokens only
 """
 
 from __future__ import annotations
@@ -36,15 +36,14 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* from the root
-
-from bench.cp_model import DISTS, HKV, HQ, make_layout, row_lengths, token_label  # noqa: E402
-from bench.simulate_cp import markdown_table  # noqa: E402
-from doc_packed._doc_layout import DocLayout  # noqa: E402
-from doc_packed._mask import prefix_pairs  # noqa: E402
-from doc_packed.cp.plan import build_plan, chunk_len  # noqa: E402
-from doc_packed.data import PAD, pack_order, pack_stream  # noqa: E402
-from doc_packed.data._work import column_loads  # noqa: E402
+from bench._harness import add_dry_run
+from bench.cp_model import DISTS, HKV, HQ, make_layout, row_lengths, token_label
+from bench.simulate_cp import markdown_table
+from doc_packed._doc_layout import DocLayout
+from doc_packed._mask import prefix_pairs
+from doc_packed.cp.plan import build_plan, chunk_len
+from doc_packed.data import PAD, pack_order, pack_stream
+from doc_packed.data._work import column_loads
 
 SEED = 2026
 MEANS = {"lognormal-512": 512, "lognormal-2k": 2048, "lognormal-8k": 8192, "powerlaw": 384}
@@ -301,10 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timing", action="store_true", help="only the packing time of 1M tokens")
     p.add_argument("--cp", type=int, nargs="+", default=CPS)
     p.add_argument("--dists", nargs="+", choices=DISTS, default=DISTS)
+    add_dry_run(p, "one small cell (2 rows of 8k, lognormal 512, CP 4), no streaming or timing tables")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     args.grid = GRID
-    if args.quick:
+    if args.dry_run:
+        args.quick, args.cp, args.dists, args.grid = True, [4], ["lognormal-512"], [(1 << 13, 2)]
+    elif args.quick:
         args.cp, args.dists, args.grid = [4, 8, 64], ["lognormal-512", "lognormal-2k"], [(1 << 17, 1), (1 << 17, 8)]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

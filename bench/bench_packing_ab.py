@@ -10,8 +10,8 @@ are not the same.
 
 Usage (the version before a change from git, this one from the tree):
     mkdir -p /tmp/before && git archive <commit> doc_packed/data | tar -x -C /tmp/before
-    python bench/bench_packing_ab.py /tmp/before/doc_packed/data doc_packed/data
-    python bench/bench_packing_ab.py A B --cells powerlaw:8x128k:64 lognormal-512:8x128k:16
+    python -m bench.bench_packing_ab /tmp/before/doc_packed/data doc_packed/data
+    python -m bench.bench_packing_ab A B --cells powerlaw:8x128k:64 lognormal-512:8x128k:16
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* from the root
-
-from bench.cp_model import make_layout  # noqa: E402
+from bench.cp_model import make_layout
 
 DISTS = ["lognormal-512", "lognormal-2k", "lognormal-8k", "powerlaw", "long+short"]
 CPS = [2, 8, 64, 1024]

@@ -21,10 +21,10 @@ repeat and read medians.
 
 Usage::
 
-    python bench/bench_solve.py                      # 4, 16, 32 layers x meshes (8,) and (2, 4)
-    python bench/bench_solve.py --layers 4 --meshes 2x4 --repeat 3
-    python bench/bench_solve.py --tiny               # 1 small layer on a (2,) mesh: CI, < 60 s
-    python bench/bench_solve.py --strategies         # our strategies alone: torch's cost rows vs remembered
+    python -m bench.bench_solve                      # 4, 16, 32 layers x meshes (8,) and (2, 4)
+    python -m bench.bench_solve --layers 4 --meshes 2x4 --repeat 3
+    python -m bench.bench_solve --tiny               # 1 small layer on a (2,) mesh: CI, < 60 s
+    python -m bench.bench_solve --strategies         # our strategies alone: torch's cost rows vs remembered
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)  # this checkout's doc_packed / shardings, not an installed copy
+from bench._harness import add_dry_run
+from doc_packed_examples import model as examples  # the example model's attention
 
-from doc_packed_examples import model as examples  # noqa: E402  (the example model's attention, from this checkout)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: subprocesses run from it
 
 LLAMA_8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336)
 TINY = dict(vocab=1024, dim=256, n_heads=4, n_kv_heads=2, hidden=512)
@@ -181,9 +180,8 @@ def run_one(
 ) -> dict:
     """Trace and solve once in this process; the figures of one row (CPU seconds of this
     process, plus the solver's for the ILP; counts)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch.distributed as dist
-    from ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
+    from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -254,11 +252,10 @@ def run_one(
 
 
 def _subprocess_run(layers, mesh, kind, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{layers}:{'x'.join(map(str, mesh))}:{kind}"]
+    cmd = [sys.executable, "-m", "bench.bench_solve", "--one", f"{layers}:{'x'.join(map(str, mesh))}:{kind}"]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
     cmd += (["--tiny"] if args.tiny else []) + (["--no-ilp"] if args.no_ilp else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -367,7 +364,7 @@ def strategy_rows(repeat: int = 3) -> str:
     return "\n".join(lines + [f"\nbefore / after: {before / after:.2f}"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="4,16,32", help="comma-separated layer counts")
     ap.add_argument("--meshes", default="8,2x4", help="comma-separated mesh shapes, e.g. 8,2x4")
@@ -380,7 +377,10 @@ def main() -> None:
     ap.add_argument("--no-ilp", action="store_true", help="stop before the ILP solve (its size is still counted)")
     ap.add_argument("--json", default=None, help="write the rows (medians) here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # layers:mesh:attention, in this process
-    args = ap.parse_args()
+    add_dry_run(ap, "--tiny without the ILP solve: checks the script runs")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.tiny, args.no_ilp = True, True
     cfg = TINY if args.tiny else LLAMA_8B
     if args.strategies:
         print(strategy_rows(args.repeat if args.repeat > 1 else 3))

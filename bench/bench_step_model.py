@@ -1,6 +1,6 @@
 """The step model against measured training steps: per op (eager) and fused (compiled).
 
-For each recorded ``bench/bench_e2e.py`` run (``docs/results/*.json``: mesh, batch, row length,
+For each recorded ``bench.bench_e2e`` run (``docs/results/*.json``: mesh, batch, row length,
 forced attention layout, measured step), the same model (``doc_packed_examples.model.Transformer``, 4
 layers, dim 2048, 16/4 heads, vocab 8192, bf16) is traced and solved again on CPU with
 AutoParallel's fake process group and the same constraints, and the solution is priced by
@@ -9,7 +9,7 @@ and median of the run's timed steps): measured / model within 15% is the goal
 (docs/scenarios.md, "The step model against measured steps"). Needs AutoParallel. The documents are priced at their mean length (2k),
 not the run's own first layout.
 
-    python bench/bench_step_model.py [--runs 2x-128k-cp 2x-32k-dp ...]
+    python -m bench.bench_step_model [--runs 2x-128k-cp 2x-32k-dp ...]   # --dry-run: the first run only
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import doc_packed as dp  # noqa: E402
+import doc_packed as dp
+from bench._harness import add_dry_run
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "results")
 K = 1024
@@ -53,8 +51,8 @@ def measured(file: str, mode: str) -> tuple[float, float, str]:
 
 def priced(mesh_shape, names, B, S, inputs, forced):
     """(per-op, fused) StepEstimate of the solved placement."""
-    import ap_scenarios as scen
-    from ap_compat import device_name_for_cost_model
+    from bench import ap_scenarios as scen
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from autoparallel.api import AutoParallel
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
@@ -89,10 +87,13 @@ def priced(mesh_shape, names, B, S, inputs, forced):
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    args = ap.parse_args()
+    add_dry_run(ap, "the first run only (a CPU solve, as always): checks the script runs")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.runs = args.runs[:1]
     print(f"torch {torch.__version__}; measured: docs/results (H200s, torch 2.11.0+cu130); model re-solved here")
     print(
         "| run | measured ms (mean / median) | per-op model ms | measured / per-op | fused model ms | measured / fused (mean / median) |"

@@ -10,27 +10,24 @@ variant with ratio raw / ours (1.0 = parity; only where FA4 has the variant: sin
 intervals); their plain-causal anchor on flex is printed too, so the prefix's own cost is
 separated from the backend change. ``max logits`` is the extra Q K^T pass of return_max_logits.
 
-Usage: ``python bench/bench_variants.py [--sizes 16384,65536] [--layout lognormal|uniform]
-[--json out.json]``.
+Usage: ``python -m bench.bench_variants [--sizes 16384,65536] [--layout lognormal|uniform]
+[--json out.json]``. ``--dry-run``: 128 tokens on CPU, one timed call each, the variants that run there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import doc_packed as dp  # noqa: E402
-from bench_op import bench  # noqa: E402
-from doc_packed import kernels, ops  # noqa: E402
-from doc_packed._doc_layout import get_layout  # noqa: E402
-from doc_packed._variants import prefixes  # noqa: E402
-from doc_packed.data import lognormal_lengths  # noqa: E402
+import doc_packed as dp
+from bench._harness import add_dry_run, device_name
+from bench.bench_op import bench
+from doc_packed import kernels, ops
+from doc_packed._doc_layout import get_layout
+from doc_packed._variants import prefixes
+from doc_packed.data import lognormal_lengths
 
 HQ, HKV, D = 32, 8, 128
 SOFTCAP = 30.0  # Gemma 2's attention softcap
@@ -42,20 +39,22 @@ def _lengths(S: int, layout: str) -> list[int]:
     return lognormal_lengths(S, 2048, seed=0)
 
 
-def _problem(S, lengths, d, dv, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda h, dim: torch.randn(1, S, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+def _problem(S, lengths, d, dv, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    mk = lambda h, dim: torch.randn(1, S, h, dim, device=device, dtype=dtype, generator=g)  # noqa: E731
     q, k, v = mk(HQ, d), mk(HKV, d), mk(HKV, dv)
     dout = mk(HQ, dv)
-    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).cuda()
-    prefix = torch.tensor([[n // 4 for n in lengths] + [0] * 8], dtype=torch.int32, device="cuda")
+    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(device)
+    prefix = torch.tensor([[n // 4 for n in lengths] + [0] * 8], dtype=torch.int32, device=device)
     return q, k, v, dout, cu, prefix
 
 
-def _timed(call, q, k, v, dout, extra=()):
+def _timed(call, q, k, v, dout, extra=(), iters=20):
     """``(fwd ms, fwd+bwd ms)`` of ``call(q, k, v, *extra)`` returning ``out``."""
+    warmup = min(5, iters)
     with torch.no_grad():
-        fwd = bench(lambda: call(q, k, v, *extra))
+        fwd = bench(lambda: call(q, k, v, *extra), warmup, iters)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     extra = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in extra]
 
@@ -63,7 +62,7 @@ def _timed(call, q, k, v, dout, extra=()):
         out = call(*leaves, *extra)
         torch.autograd.backward(out, dout.view_as(out))
 
-    return fwd, bench(step)
+    return fwd, bench(step, warmup, iters)
 
 
 def _fa4():
@@ -75,10 +74,10 @@ def _fa4():
     return flash_attn_varlen_func
 
 
-def run(S: int, layout: str) -> list[dict]:
+def run(S: int, layout: str, device: str = "cuda", iters: int = 20) -> list[dict]:
     lengths = _lengths(S, layout)
-    flat_cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    fa4 = _fa4()
+    flat_cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    fa4 = _fa4() if device == "cuda" else None
     rows = []
     variants = [
         # name, head dims, doc_packed_attn kwargs, raw FA4 kwargs (None: FA4 has no such variant)
@@ -91,10 +90,12 @@ def run(S: int, layout: str) -> list[dict]:
         ("prefix 25% (flex)", (D, D), {"prefix": True}, None),
         ("max logits", (D, D), {"return_max_logits": True}, None),
     ]
+    if device != "cuda":  # flex has no CPU backward
+        variants = [x for x in variants if "flex" not in x[0]]
     anchor = None
     for name, (d, dv), kw, fa4_kw in variants:
-        q, k, v, dout, cu, prefix = _problem(S, lengths, d, dv)
-        sinks = torch.randn(HQ, device="cuda") if kw.get("sinks") else None
+        q, k, v, dout, cu, prefix = _problem(S, lengths, d, dv, device=device)
+        sinks = torch.randn(HQ, device=device) if kw.get("sinks") else None
         args = {
             "softcap": kw.get("softcap"),
             "prefix_lens": prefix if kw.get("prefix") else None,
@@ -110,10 +111,10 @@ def run(S: int, layout: str) -> list[dict]:
         backend = kernels.choose(
             args["backend"], spec, q.view(S, HQ, d), HKV, kernels.Variant.of(q, v, args["softcap"] or 0.0)
         )
-        fwd, fb = _timed(ours, q, k, v, dout, (sinks,) if sinks is not None else ())
+        fwd, fb = _timed(ours, q, k, v, dout, (sinks,) if sinks is not None else (), iters)
         if want_max:  # the extra pass alone
             with torch.no_grad():
-                fwd_only = bench(lambda: dp.doc_packed_attn(q, k, v, cu, causal=True))
+                fwd_only = bench(lambda: dp.doc_packed_attn(q, k, v, cu, causal=True), min(5, iters), iters)
             fwd = fwd - fwd_only
             fb = float("nan")
         row = {"S": S, "layout": layout, "variant": name, "backend": backend, "fwd_ms": fwd, "fwd_bwd_ms": fb}
@@ -155,16 +156,18 @@ def run(S: int, layout: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="16384,65536")
     p.add_argument("--layout", default="lognormal", choices=("lognormal", "uniform"))
     p.add_argument("--json")
-    a = p.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__)
+    add_dry_run(p)
+    a = p.parse_args(argv)
+    device = "cpu" if a.dry_run else "cuda"
+    print(device_name(device), torch.__version__)
     rows = []
-    for S in (int(x) for x in a.sizes.split(",")):
-        rows += run(S, a.layout)
+    for S in [128] if a.dry_run else (int(x) for x in a.sizes.split(",")):
+        rows += run(S, a.layout, device, 1 if a.dry_run else 20)
     head = "| S | variant | backend | fwd ms | fwd+bwd ms | fwd / plain | f+b / plain | FA4 fwd ms | FA4 f+b ms | FA4/ours fwd | FA4/ours f+b |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))

@@ -43,9 +43,9 @@ ATTENTIONS = {
 }
 DEFAULT_ANCHOR = {"example": "doc_packed", "llama8b": "doc_packed", "hf-llama": "doc_packed,sdpa,flex_attention",
                   "titan-llama": "doc_packed,varlen,flex"}  # fmt: skip
-# on CPU (--cpu-dry-run): flex_attention has no CPU backward, torch's varlen op no CPU kernel
+# on CPU (--dry-run): flex_attention has no CPU backward, torch's varlen op no CPU kernel
 DEFAULT_ANCHOR_CPU = {**DEFAULT_ANCHOR, "hf-llama": "doc_packed,sdpa", "titan-llama": "doc_packed"}
-# the tiny shape of --cpu-dry-run (every model): 2 layers
+# the tiny shape of --dry-run (every model): 2 layers
 TINY = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, hidden=128, n_layers=2)
 
 

@@ -17,7 +17,7 @@ call), then a least-squares fit of the forward + backward times to
 work on the staircase of each causal segment, whole tiles for short ones, and a fixed cost per
 block of keys of each segment, which FA4's backward loops over). Run it on the GPU to fit:
 
-    python bench/measure_doc_cost.py --backend fa4 --json out.json
+    python -m bench.measure_doc_cost --backend fa4 --json out.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
-from measure_rates import timed_ms  # bench/ is on the path when a script here runs
+from bench._harness import timed_ms
 
 
 def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int, backend: str, iters: int):
@@ -84,7 +84,7 @@ def _fit(rows: list[dict]) -> dict:
     )
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="fa4")
     ap.add_argument("--tokens", type=int, default=32768)
@@ -92,7 +92,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     Hq, Hkv = args.heads
     shapes = [(n, n, True) for n in (16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048,
                                      3072, 4096, 8192, 16384, 32768)]

@@ -13,7 +13,7 @@ Collective bandwidths and the fixed per-exchange cost of context parallelism nee
 they are carried over from the existing file (``--base``).
 
 CUDA events around each call, median of ``--iters`` after warm-ups, no sync between calls.
-Usage: ``python bench/measure_rates.py --out shardings/h200_rates.json [--quick]``.
+Usage: ``python -m bench.measure_rates --out shardings/h200_rates.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -27,24 +27,10 @@ import sys
 import torch
 
 import doc_packed as dp
+from bench._harness import timed_ms
 from doc_packed_examples.model import random_attention_problem
 from doc_packed.flops import total_pairs
 from doc_packed.data import lognormal_lengths
-
-
-def timed_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in times)
 
 
 def attention_points(backend: str, sizes, iters: int) -> list[dict]:
@@ -134,7 +120,7 @@ def hbm_gbps() -> float:
     return round(2 * x.numel() * 4 / t / 1e6)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--base", default="shardings/h200_rates.json", help="file whose collectives / CP fixed cost are kept")
@@ -142,7 +128,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="16384,32768,65536,131072")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="16k and 64k only, fewer matmul token counts")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with open(args.base) as f:
         base = json.load(f)
     sizes = [16384, 65536] if args.quick else [int(s) for s in args.sizes.split(",")]

@@ -1,11 +1,12 @@
 """Where one context-parallel rank's host time goes, on one GPU (cProfile of forward + backward).
 
-Emulates every rank of a CP group as ``bench/bench_cp_emulate.py`` does (collectives replaced
+Emulates every rank of a CP group as ``bench.bench_cp_emulate`` does (collectives replaced
 by copies of the same bytes), picks the slowest rank, and runs its forward and backward
 directly (``doc_packed.cp.attention.forward`` / ``backward``, in this thread, without autograd,
 so cProfile sees both passes). Prints the rank's ms per forward+backward with the host running
 ahead (one sync per loop), the same with a sync per call, and cProfile's top functions.
-Usage: ``python bench/profile_cp_rank.py --seq 131072 --cp 8 --layout "lognormal 2k"``.
+Usage: ``python -m bench.profile_cp_rank --seq 131072 --cp 8 --layout "lognormal 2k"``.
+``--dry-run``: 512 tokens at CP 2 on CPU (float32, small heads), two calls per rank.
 
 ``--autograd`` also times the same rank through autograd (fresh leaves, ``attn_fwd`` with its
 autograd or the eager path's ``autograd.Function``, then ``torch.autograd.backward``) beside the
@@ -18,16 +19,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
 import time
 
 import torch
 
+from bench import bench_cp_emulate as emu
+from bench._harness import add_dry_run, device_name, sync
+from bench.emulated_layouts import emulated_lengths
 from doc_packed.cp import attention as cp_attention
 from doc_packed.ops import Call
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--cp", type=int, default=8)
@@ -36,13 +39,15 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--autograd", action="store_true", help="compare with the same rank through autograd")
-    args = ap.parse_args()
-    sys.argv = sys.argv[:1]  # bench_cp_emulate parses the command line when imported
-    import bench_cp_emulate as emu
-
-    emu.ARGS = argparse.Namespace(overlap=False, top=0, packing=args.packing)
+    add_dry_run(ap)
+    args = ap.parse_args(argv)
+    emu.ARGS = emu._parser().parse_args(["--packing", args.packing])
     S, c, Hq, Hkv, D = args.seq, args.cp, 32, 8, 128
-    q, k, v, dout, cu = emu._problem(S, emu._lengths(args.layout, S, c, args.packing), Hq, Hkv, D)
+    if args.dry_run:
+        emu.DEVICE, emu.DTYPE = "cpu", torch.float32
+        S, c, Hq, Hkv, D, args.layout, args.iters, args.top = 512, 2, 4, 2, 16, "lognormal 512", 2, 5
+    dev = emu.DEVICE
+    q, k, v, dout, cu = emu._problem(S, emulated_lengths(args.layout, S, c, args.packing), Hq, Hkv, D)
     scale = D**-0.5
     runs = {}
     for r in range(c):
@@ -56,30 +61,30 @@ def main():
 
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(args.iters):
             step()
-        torch.cuda.synchronize()
+        sync(dev)
         runs[r] = ((time.perf_counter() - t0) / args.iters * 1e3, step)
     slow = max(runs, key=lambda r: runs[r][0])
     emu._install(emu._CopyComm(slow, c))
     step = runs[slow][1]
     synced = []
     for _ in range(args.iters):
-        torch.cuda.synchronize()
+        sync(dev)
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync(dev)
         synced.append((time.perf_counter() - t0) * 1e3)
     host = []
     for _ in range(args.iters):  # host time alone: the call returns before the GPU finishes
-        torch.cuda.synchronize()
+        sync(dev)
         t0 = time.perf_counter()
         step()
         host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  S={S} {args.layout} ({args.packing}) CP={c}")
+        sync(dev)
+    print(f"\n{device_name(dev)}  torch {torch.__version__}  S={S} {args.layout} ({args.packing}) CP={c}")
     print("| rank | ms per fwd+bwd (host runs ahead) |\n|---|---|")
     for r, (ms, _) in runs.items():
         print(f"| {r} | {ms:.2f} |")
@@ -88,22 +93,23 @@ def main():
         f"host time until the call returns {sorted(host)[len(host) // 2]:.2f} ms"
     )
     if args.autograd:
-        _compare_autograd(emu, step, q, k, v, dout, cu, S, c, slow, scale, args)
+        _compare_autograd(step, q, k, v, dout, cu, S, c, slow, scale, args)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.iters):
         step()
-    torch.cuda.synchronize()
+    sync(dev)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
 
 
-def _compare_autograd(emu, direct, q, k, v, dout, cu, S, c, rank, scale, args):
+def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
     from torch.profiler import ProfilerActivity, profile
 
     from doc_packed import _eager
 
+    dev = emu.DEVICE
     lq, lk, lv, ld = (t.chunk(c, dim=1)[rank].contiguous() for t in (q, k, v, dout))
     op_args = (cu, S, True, -1, 0, scale, "auto", emu.GROUP)
 
@@ -127,13 +133,13 @@ def _compare_autograd(emu, direct, q, k, v, dout, cu, S, c, rank, scale, args):
         wall, ev, host = [], [], []
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(args.iters):
-            torch.cuda.synchronize()
+            sync(dev)
             t0 = time.perf_counter()
             a.record()
             fn()
             t1 = time.perf_counter()
             b.record()
-            torch.cuda.synchronize()
+            sync(dev)
             wall.append((time.perf_counter() - t0) * 1e3)
             host.append((t1 - t0) * 1e3)
             ev.append(a.elapsed_time(b))
@@ -143,7 +149,7 @@ def _compare_autograd(emu, direct, q, k, v, dout, cu, S, c, rank, scale, args):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fn()
-            torch.cuda.synchronize()
+            sync(dev)
         print(f"\n### {name}: torch.profiler, 5 calls, top ops by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
         print(f"\n### {name}: top ops by self CUDA time")

@@ -6,9 +6,9 @@ model in bench/cp_model.py (its docstring has every formula), prints the tables 
 writes the plots of bench/cp_plots.py.
 
 Usage:
-    python bench/simulate_cp.py --quick              # reduced grid, < 1 minute
-    python bench/simulate_cp.py --out docs/          # full grid, tables + docs/sim_*.png
-    python bench/simulate_cp.py --validate docs/results/bench_cp_2xh200.json --out docs/
+    python -m bench.simulate_cp --quick              # reduced grid, < 1 minute
+    python -m bench.simulate_cp --out docs/          # full grid, tables + docs/sim_*.png
+    python -m bench.simulate_cp --validate docs/results/bench_cp_2xh200.json --out docs/
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* from the root
-
-from bench.cp_model import (  # noqa: E402
+from bench.cp_model import (
     A2A_GBPS,
     AG_GBPS,
     BF16,

@@ -8,7 +8,7 @@ cache; 0: a fresh layout every step), and one forward and backward with lse in t
 rank draws the same layouts (one seed). Memory must stay flat: the layout cache and each
 layout's memo are bounded LRUs.
 
-Usage: ``python bench/soak_cp.py [--steps 10000] [--world 4] [--seq 256] [--pool 0]``.
+Usage: ``python -m bench.soak_cp [--steps 10000] [--world 4] [--seq 256] [--pool 0]``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from bench._harness import add_dry_run, init_process_group, spawn_ranks
 
 
 def _rss_mib() -> float:
@@ -42,10 +41,9 @@ def _layout(rng: random.Random, rows: int, S: int) -> list[list[int]]:
     return out
 
 
-def _rank(rank, world, port, args, queue):
+def _rank(rank, world, port, args):
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    init_process_group(rank, world, port, "gloo", timeout_s=300)
     import doc_packed as dp
     from doc_packed.cp import attention, comm
 
@@ -118,12 +116,12 @@ def _rank(rank, world, port, args, queue):
         agree_share=calls["agree_s"] / sum(times),
         rss=rss,
     )
-    queue.put(stats)
     dist.barrier()
     dist.destroy_process_group()
+    return stats
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--world", type=int, default=4)
@@ -132,19 +130,12 @@ def main():
     ap.add_argument("--pool", type=int, default=0, help="draw layouts from this many (0: new every step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="print rank 0's N most expensive functions")
-    args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    add_dry_run(ap, "20 steps on 2 ranks: checks the script runs")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.steps, args.world = 20, 2
     t0 = time.time()
-    for p in procs:
-        p.start()
-    stats = sorted((queue.get() for _ in procs), key=lambda s: s["rank"])
-    for p in procs:
-        p.join()
+    stats = spawn_ranks(_rank, args.world, args)
     wall = time.time() - t0
     print(
         f"soak_cp: {args.steps} steps, {args.world} gloo ranks, {args.rows} x {args.seq} tokens, "

@@ -42,7 +42,7 @@ def reference_training(cfg, batches, lr, steps):
 
 def ap_train(rank, world, *args, **kwargs):
     """:func:`_ap_train` with torch patched for AutoParallel's head (ap_compat)."""
-    from ap_compat import torch_patched_for_autoparallel
+    from doc_packed_testing.ap_compat import torch_patched_for_autoparallel
 
     with torch_patched_for_autoparallel():
         return _ap_train(rank, world, *args, **kwargs)
@@ -54,7 +54,7 @@ def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, ste
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from autoparallel.api import AutoParallel
 
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
     from shardings.costs import pricing
 

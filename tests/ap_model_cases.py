@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
+from bench.e2e_models import hf_checkpointing  # one copy: bench_e2e's models
 
 MAX_DOCS = 8
 
@@ -45,15 +46,6 @@ class Training:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-
-
-def hf_checkpointing(model) -> None:
-    """transformers' activation checkpointing, non-reentrant, every layer: 5.24 renamed
-    ``gradient_checkpointing_enable`` (the old name warns) to ``activation_checkpointing_enable``."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build(which: str, checkpoint: bool = False, layers: int | None = None) -> tuple[torch.nn.Module, int]:
@@ -177,7 +169,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def ap_train(rank, world, *args, **kwargs):
-    from ap_compat import torch_patched_for_autoparallel
+    from doc_packed_testing.ap_compat import torch_patched_for_autoparallel
 
     with torch_patched_for_autoparallel():
         return _ap_train(rank, world, *args, **kwargs)
@@ -214,7 +206,7 @@ def _ap_train(rank, world, which, layout, mesh_shape, names, force, steps, compi
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from ap_compat import device_name_for_cost_model
+    from doc_packed_testing.ap_compat import device_name_for_cost_model
     from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
     from shardings.compile import compile_placed
     from shardings.costs import pricing

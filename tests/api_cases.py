@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import doc_packed as dp
 import shardings  # noqa: F401  (DTensor rules)
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 
 def _packed(seed, T, Hq, Hkv, D):

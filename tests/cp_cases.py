@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import doc_packed as dp
 import shardings  # noqa: F401  (DTensor rules)
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 
 def _data(seed, B, S, Hq, Hkv, D, dtype=torch.float64):

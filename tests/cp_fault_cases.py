@@ -24,7 +24,7 @@ import doc_packed as dp
 from doc_packed import _doc_layout
 from doc_packed.cp import attention, comm
 from doc_packed.cp import plan as cp_plan
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 GROUP = None  # the group the bodies use (WORLD unless a body sets it)
 DTYPE = torch.float64  # the bodies' q, k, v (a case's "dtype" overrides it)

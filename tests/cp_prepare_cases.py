@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
-from conftest import random_lengths
+from doc_packed_testing.oracle import random_lengths
 from doc_packed import cp
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 HQ, HKV, D = 4, 2, 8
 

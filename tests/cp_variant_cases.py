@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 
 def cp_variant_parity(rank, world, cases):

@@ -5,7 +5,7 @@ import pytest
 import torch.distributed.tensor._ops.utils as utils
 from torch.distributed.tensor._ops import single_dim_strategy as sds
 
-from ap_compat import torch_patched_for_autoparallel
+from doc_packed_testing.ap_compat import torch_patched_for_autoparallel
 
 
 @pytest.fixture

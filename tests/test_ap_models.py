@@ -17,7 +17,7 @@ all are ``slow``. Skipped without AutoParallel, transformers or torchtitan (the 
 import pytest
 import torch
 
-from ap_compat import autoparallel_available
+from doc_packed_testing.ap_compat import autoparallel_available
 
 if not autoparallel_available():
     from doc_packed.env import autoparallel_status

@@ -1,8 +1,12 @@
 """The house rules docs/architecture.md states, checked on the source.
 
 - Imports run down: ``doc_packed`` <- ``shardings`` <- ``doc_packed_examples`` (the example
-  model and the demo); nothing imports a package above it (not at import time, not lazily in
-  a function). Each library imports alone in a fresh interpreter, in either order.
+  model and the demo) <- ``doc_packed_testing`` (what tests and benchmarks share); nothing
+  imports a package above it (not at import time, not lazily in a function). Each library
+  imports alone in a fresh interpreter, in either order.
+- ``bench`` is a package run as ``python -m bench.<script>``: it imports the packages and its
+  own modules by their package names, never a module of ``tests/``, and no module of it or of
+  ``doc_packed_testing`` edits ``sys.path``.
 - ``doc_packed.data`` (data preparation) sits below the op: it imports only the argument
   checks, the mask's pair counts and the planner's shard ranges and tolerance.
 - Private names of torch, AutoParallel and FlashAttention are touched only in the compat
@@ -23,8 +27,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("doc_packed", "shardings", "doc_packed_examples")  # bottom up
-COMPAT = {"doc_packed/_compat.py", "shardings/_compat.py", "shardings/_ap_compat.py"}
+PACKAGES = ("doc_packed", "shardings", "doc_packed_examples", "doc_packed_testing")  # bottom up
+COMPAT = {
+    "doc_packed/_compat.py",
+    "shardings/_compat.py",
+    "shardings/_ap_compat.py",
+    "doc_packed_testing/ap_compat.py",  # test/bench-only shims for AutoParallel's head
+}
 EXTERNAL = ("torch", "autoparallel", "flash_attn")
 
 
@@ -68,7 +77,32 @@ def test_imports_run_down():
         for line, module, _ in _imports(ast.parse(p.read_text()), _package(p))
         if module.split(".")[0] in PACKAGES[level + 1 :]
     ]
-    assert not found, "imports that run up (doc_packed <- shardings <- doc_packed_examples):\n" + "\n".join(found)
+    assert not found, "imports that run up (doc_packed <- shardings <- doc_packed_examples <- doc_packed_testing):\n" + (
+        "\n".join(found)
+    )
+
+
+def _edits_sys_path(tree: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "path" and ast.unparse(n.value) == "sys" for n in ast.walk(tree))
+
+
+def test_bench_imports_packages_not_tests():
+    """bench imports its siblings as ``bench.<module>`` and test helpers from
+    ``doc_packed_testing``: never a module of tests/ by bare name, never through ``sys.path``."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    bench_modules = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__"}
+    found = []
+    for p in sorted((ROOT / "bench").glob("*.py")) + _sources("doc_packed_testing"):
+        tree = ast.parse(p.read_text())
+        if _edits_sys_path(tree):
+            found.append(f"{_rel(p)} edits sys.path")
+        for line, module, _ in _imports(tree, _package(p)):
+            top = module.split(".")[0]
+            if top in test_modules or top == "tests" or top in bench_modules:
+                found.append(f"{_rel(p)}:{line} imports {module} by a bare name")
+            if p.parent.name == "doc_packed_testing" and top == "bench":
+                found.append(f"{_rel(p)}:{line} imports {module}: doc_packed_testing sits below bench")
+    assert not found, "bench/doc_packed_testing import rules:\n" + "\n".join(found)
 
 
 # what shardings may use of doc_packed (docs/architecture.md)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ap_compat import autoparallel_available, device_name_for_cost_model, torch_patched_for_autoparallel
+from doc_packed_testing.ap_compat import autoparallel_available, device_name_for_cost_model, torch_patched_for_autoparallel
 
 if not autoparallel_available():
     from doc_packed.env import autoparallel_status

@@ -8,7 +8,7 @@ import torch
 import doc_packed as dp
 from doc_packed import kernels
 from doc_packed.kernels import Backend, VarlenSpec
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 
 def _table(unavailable: set[str]) -> tuple[Backend, ...]:

@@ -96,7 +96,7 @@ def test_output_feeds_the_op():
     tokens = torch.tensor([[3, 3, 0, 5, 0, 2, 2, 2], [1, 0, 1, 1, 1, 1, 0, 1]])
     cu = dp.cu_seqlens_from_eos(tokens, 0, max_docs=4)
     q = torch.randn(2, 8, 2, 4, dtype=torch.float64)
-    from oracle import reference
+    from doc_packed_testing.oracle import reference
 
     out = dp.doc_packed_attn(q, q, q, cu, causal=True)
     ref, _ = reference(q, q, q, cu)

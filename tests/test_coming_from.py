@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import doc_packed as dp
-from gpu_parity import cuda_packed
+from doc_packed_testing.gpu_parity import cuda_packed
 from peer_oracles import flash_oracle
 
 # ----------------------------------------------------------------------------- references

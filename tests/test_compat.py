@@ -11,7 +11,7 @@ import torch
 import doc_packed as dp
 from doc_packed import compat
 from doc_packed.compat import cute
-from gpu_parity import cuda_packed
+from doc_packed_testing.gpu_parity import cuda_packed
 from peer_oracles import fa4_oracle, flash_oracle, torch_varlen_oracle
 
 # flash-attention 2.8's flash_attn_varlen_func, copied from its signature: (name, default)

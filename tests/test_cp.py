@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from conftest import random_lengths
+from doc_packed_testing.oracle import random_lengths
 from cp_cases import cp_parity, mismatch
 
 

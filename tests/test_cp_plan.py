@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import doc_packed as dp
-from conftest import random_lengths
+from doc_packed_testing.oracle import random_lengths
 from doc_packed.cp.plan import ROW_COST
 from doc_packed.cp.plan import RowCost
 from doc_packed.cp.schedule import build_schedule
 from doc_packed.data import lognormal_lengths
-from oracle import dense_mask
+from doc_packed_testing.oracle import dense_mask
 
 MASKS = [(True, (-1, -1)), (True, (6, 0)), (False, (-1, -1)), (False, (3, 5)), (False, (4, -1))]
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import random_lengths
+from doc_packed_testing.oracle import random_lengths
 from cp_variant_cases import cp_variant_parity, dtensor_variant_parity
 
 
@@ -203,7 +203,7 @@ def test_plan_counts_prefix_pairs_and_covers_their_keys(cp, left):
     """The plan's work is the exact pair count with prefixes (the oracle's dense mask), every
     query is planned once, and every key a planned query sees lies in its rank's key ranges."""
     import torch
-    from oracle import dense_mask
+    from doc_packed_testing.oracle import dense_mask
 
     from doc_packed._doc_layout import get_layout
     from doc_packed._variants import prefixes

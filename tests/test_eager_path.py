@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import doc_packed as dp
 from doc_packed import _eager
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 CASES = [
     dict(lengths=[[5, 0, 11], [16]], heads=(4, 2), causal=True, window=(-1, -1)),

@@ -17,8 +17,8 @@ import types
 
 import pytest
 import torch
-from conftest import random_lengths
-from oracle import reference
+from doc_packed_testing.oracle import random_lengths
+from doc_packed_testing.oracle import reference
 
 import doc_packed as dp
 from doc_packed import env, kernels

@@ -7,7 +7,7 @@
 5. Validation: clear errors naming the argument, also under torch.compile(fullgraph=True).
 
 Every test compares with an independent reference: the document computed alone (a call that
-holds nothing else), the float64 dense oracle (tests/oracle.py), or the exact error.
+holds nothing else), the float64 dense oracle (doc_packed_testing/oracle.py), or the exact error.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import doc_packed as dp
 from doc_packed import _doc_layout
 from doc_packed.kernels import VarlenSpec
 from doc_packed.kernels import math as math_kernel
-from oracle import dense_mask, reference
+from doc_packed_testing.oracle import dense_mask, reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (2, 5)), (False, (0, 0))]

@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
-from conftest import random_lengths
+from doc_packed_testing.oracle import random_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import reference
+from doc_packed_testing.oracle import reference
 
 import doc_packed as dp
 from doc_packed import kernels

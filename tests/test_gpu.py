@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import doc_packed as dp
-from gpu_parity import HEADS, MASKS, layouts, parity_errors, rel
+from doc_packed_testing.gpu_parity import HEADS, MASKS, layouts, parity_errors, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

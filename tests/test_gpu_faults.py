@@ -21,7 +21,7 @@ import doc_packed as dp
 from doc_packed import kernels
 from doc_packed._doc_layout import get_layout
 from doc_packed.ops import local_spec
-from gpu_parity import rel
+from doc_packed_testing.gpu_parity import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import doc_packed as dp
-from gpu_parity import rel
-from oracle import reference
+from doc_packed_testing.gpu_parity import rel
+from doc_packed_testing.oracle import reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -2,7 +2,7 @@
 
 No downloads: configs are built in code, weights are random, sizes tiny. References: the same
 model with transformers' eager attention given a per-document mask built token by token by
-tests/oracle.py (one per layer type: full, sliding window), and each document run alone through
+doc_packed_testing/oracle.py (one per layer type: full, sliding window), and each document run alone through
 eager attention. Not transformers' own packed-sequence detection: GPT-OSS (5.23) builds its masks
 without ``position_ids``, so its eager and SDPA paths attend across packed documents.
 Tolerance (float32 on CPU): logits and gradients within 2e-5 absolute of eager (measured: logits <= 2.8e-6
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 
 import doc_packed as dp  # noqa: E402
 import doc_packed.integrations.hf as dp_hf  # noqa: E402
-from oracle import dense_mask  # noqa: E402
+from doc_packed_testing.oracle import dense_mask  # noqa: E402
 
 # the KV cache's keyword: transformers 5.24 renamed past_key_values to cache (the old name warns)
 _CACHE_KWARG = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"

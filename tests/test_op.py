@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import doc_packed as dp
-from conftest import random_lengths
-from oracle import reference
+from doc_packed_testing.oracle import random_lengths
+from doc_packed_testing.oracle import dense_mask, reference
 
 MASKS = [
     (True, (-1, -1)),
@@ -187,7 +187,7 @@ def test_flop_formula_exact_and_planning(rng):
     q, k, v = _inputs(B, S, Hq, Hkv, D, dtype=torch.float32)
     for causal, window in [(True, (-1, -1)), (True, (3, 0)), (False, (2, 5))]:
         visible = sum(
-            int(__import__("oracle").dense_mask(cu[b].tolist(), S, causal, window).sum())
+            int(dense_mask(cu[b].tolist(), S, causal, window).sum())
             for b in range(B)
         )
         with FlopCounterMode(display=False) as fc:
@@ -200,7 +200,7 @@ def test_flop_formula_exact_and_planning(rng):
     # representative row: lognormal documents of that mean, counted here on the dense mask)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    row = int(__import__("oracle").dense_mask(list(dp.flops.representative_bounds(S, 8)), S, True, (-1, 0)).sum())
+    row = int(dense_mask(list(dp.flops.representative_bounds(S, 8)), S, True, (-1, 0)).sum())
 
     with FakeTensorMode():
         fq, fk, fv = (torch.empty(B, S, h, D) for h in (Hq, Hkv, Hkv))

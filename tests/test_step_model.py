@@ -11,7 +11,7 @@ import torch
 
 import doc_packed as dp
 from doc_packed import flops
-from oracle import dense_mask
+from doc_packed_testing.oracle import dense_mask
 from shardings import costs
 from shardings.step_model import (
     DEFAULT_RATES,

@@ -2,7 +2,7 @@
 attention, in both layouts: rows ``[B, L, H, D]`` with our ``cu_seqlens [B, MAX_DOCS + 1]``, and
 torchtitan's flat ``[T, H, D]`` with ``VarlenMetadata`` (cu_seqlens over ``T = B * L``).
 
-Reference: the same model, same weights, with a test inner attention that runs tests/oracle.py
+Reference: the same model, same weights, with a test inner attention that runs doc_packed_testing/oracle.py
 (float64 dense attention under a per-document mask built token by token), and each document run
 alone. Tolerance (float32 on CPU): 2e-5 absolute on logits and gradients (measured below 3e-6).
 """
@@ -21,13 +21,13 @@ from torchtitan.protocols.module import Module  # noqa: E402
 
 import doc_packed as dp  # noqa: E402
 from doc_packed.integrations.torchtitan import DocPackedAttention, row_masks, use_doc_packed  # noqa: E402
-from oracle import reference  # noqa: E402
+from doc_packed_testing.oracle import reference  # noqa: E402
 
 ATOL = 2e-5
 
 
 class OracleAttention(Module):
-    """Test-only inner attention: tests/oracle.py's float64 reference on rows ``cu_seqlens``."""
+    """Test-only inner attention: doc_packed_testing/oracle.py's float64 reference on rows ``cu_seqlens``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(VarlenAttention.Config):

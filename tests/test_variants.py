@@ -6,7 +6,7 @@ passes (run eagerly on CPU)."""
 
 import pytest
 import torch
-from oracle import dense_mask, reference
+from doc_packed_testing.oracle import dense_mask, reference
 
 import doc_packed as dp
 from doc_packed import kernels

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import doc_packed as dp
 from api_cases import varlen_cp, varlen_dtensor
-from conftest import random_lengths
-from oracle import reference
+from doc_packed_testing.oracle import random_lengths
+from doc_packed_testing.oracle import reference
 
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (4, 7)), (False, (0, 0))]
 

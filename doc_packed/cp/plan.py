@@ -226,7 +226,7 @@ class _Planner:
         self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
         self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
-        self._done: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
+        self.rows_memo: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
         self.load = [0] * cp_size
         for b, docs in enumerate(layout_rows):
             for d, (ds, de) in enumerate(docs):
@@ -253,7 +253,7 @@ class _Planner:
         for p in new.pieces:
             new.by_rank[p[4]].append(p)
         new.offsets = list(offsets)
-        new._done = None
+        new.rows_memo = None
         new.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
         new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
         return new
@@ -349,7 +349,7 @@ class _Planner:
         return range(s // self.cs, min(self.c, (e - 1) // self.cs + 1))
 
     def balance(self) -> None:
-        self._done = None
+        self.rows_memo = None
         total = sum(self.load)
         if total == 0 or self.c == 1:
             return
@@ -479,10 +479,10 @@ class _Planner:
     def _runs_and_rows(self) -> tuple[list[list[list]], list[tuple[int, int, int]]]:
         """:meth:`_merged` and each rank's :meth:`_extra_rows`, computed once for a balanced
         planner (:meth:`priced_rows` and :meth:`result` both read them)."""
-        if self._done is None:
+        if self.rows_memo is None:
             merged = self._merged()
-            self._done = merged, [self._extra_rows(r, runs) for r, runs in enumerate(merged)]
-        return self._done
+            self.rows_memo = merged, [self._extra_rows(r, runs) for r, runs in enumerate(merged)]
+        return self.rows_memo
 
     def priced_rows(self, cost: RowCost) -> list[int]:
         """Per rank, its extra rows priced by ``cost``, without building the plan."""

@@ -16,6 +16,8 @@ Variants (docs/contract.md, "Variants"), from their definitions:
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 
@@ -90,3 +92,20 @@ def reference(
     if max_logits:
         return (*result, torch.stack(maxes).amax(0))
     return result
+
+
+def random_lengths(rng: random.Random, seq_len: int, *, zero_docs: bool = True) -> list[int]:
+    """A random split of ``seq_len`` into documents, with zero-length and 1-token ones."""
+    out, left = [], seq_len
+    while left > 0:
+        kind = rng.random()
+        if kind < 0.15:
+            n = 1
+        elif kind < 0.3 and zero_docs:
+            n = 0
+        else:
+            n = rng.randint(1, max(1, seq_len // 2))
+        n = min(n, left)
+        out.append(n)
+        left -= n
+    return out

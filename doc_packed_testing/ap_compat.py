@@ -16,7 +16,7 @@
 - CPU meshes and H200s: AutoParallel's compute model looks the device name up in its table of
   peak FLOP/s (which has "H100" but not "H200"); :func:`device_name_for_cost_model` makes it see
   an H100, so estimates use H100 peaks.
-Nothing here is imported by the library.
+Nothing here is imported by the libraries.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def patch_autoparallel_for_torch() -> None:
     """:func:`torch_patched_for_autoparallel` for the rest of this process, never undone.
 
     The plain-call form, for code that needs the shims for the life of its process:
-    bench/bench_e2e.py's ``worker`` (a spawned rank) and bench/bench_emulate.py's main call it
+    ``bench.bench_e2e``'s ``worker`` (a spawned rank) and ``bench.bench_emulate``'s main call it
     once. Tests use the context manager, which undoes what it did.
     """
     _FOR_THE_PROCESS.enter_context(torch_patched_for_autoparallel())

@@ -1,6 +1,6 @@
 """doc_packed_attn on CUDA against the float64 oracle: the errors the GPU tests bound.
 
-Shared by tests/test_gpu.py (which asserts tolerances on them) and bench/accuracy.py (which
+Shared by tests/test_gpu.py (which asserts tolerances on them) and ``bench.accuracy`` (which
 reports the worst values over the same grid).
 """
 
@@ -11,8 +11,8 @@ import random
 import torch
 
 import doc_packed as dp
-from conftest import random_lengths
-from oracle import reference
+from doc_packed_testing.oracle import random_lengths
+from doc_packed_testing.oracle import reference
 
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (64, 0)), (False, (32, 16))]
 HEADS = [(8, 8), (8, 2), (4, 1)]
@@ -32,9 +32,10 @@ def layouts(rng: random.Random, S: int) -> list[list[list[int]]]:
     ]
 
 
-def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed, head_dim=HEAD_DIM) -> dict:
-    """Errors of one CUDA forward+backward: ``out``, ``dq``, ``dk``, ``dv`` (relative), ``lse``
-    (max abs), plus ``finite`` (no inf/NaN in out or grads) and ``out_dtype``."""
+def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed, head_dim=HEAD_DIM, device="cuda") -> dict:
+    """Errors of one forward+backward on ``device`` (CUDA; the benchmark's dry run: CPU):
+    ``out``, ``dq``, ``dk``, ``dv`` (relative), ``lse`` (max abs), plus ``finite`` (no inf/NaN in
+    out or grads) and ``out_dtype``."""
     cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=S)
     Hq, Hkv = heads
     g = torch.Generator().manual_seed(seed)
@@ -43,11 +44,11 @@ def parity_errors(lengths, S, heads, causal, window, dtype, backend, seed, head_
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference(rq, rk, rv, cu, causal, window)
     ref_grads = torch.autograd.grad(ref_out, (rq, rk, rv), dout.double())
-    cq, ck, cv = (t.to("cuda", dtype).requires_grad_() for t in (q, k, v))
+    cq, ck, cv = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
     out, lse = dp.doc_packed_attn(
-        cq, ck, cv, cu.cuda(), causal=causal, window_size=window, return_lse=True, backend=backend
+        cq, ck, cv, cu.to(device), causal=causal, window_size=window, return_lse=True, backend=backend
     )
-    grads = torch.autograd.grad(out, (cq, ck, cv), dout.to("cuda", dtype))
+    grads = torch.autograd.grad(out, (cq, ck, cv), dout.to(device, dtype))
     errs = {
         "out": rel(out.cpu(), ref_out),
         "lse": (lse.cpu().double() - ref_lse).abs().max().item(),
