@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench._harness import add_dry_run
 from bench.cp_model import make_layout
 
 DISTS = ["lognormal-512", "lognormal-2k", "lognormal-8k", "powerlaw", "long+short"]
@@ -51,10 +52,16 @@ def _load(path: str, k: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("versions", nargs="+", help="doc_packed/data folders or packing.py files, timed in turn")
+    p.add_argument("versions", nargs="*", help="doc_packed/data folders or packing.py files, timed in turn")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--cells", nargs="*", help="dist:8x128k|1x1M:cp (default: the whole grid)")
+    add_dry_run(p, "this tree's doc_packed/data against itself, one cell (8 x 128k, CP 2), one rep")
     args = p.parse_args(argv)
+    if args.dry_run:
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "doc_packed", "data")
+        args.versions, args.reps, args.cells = args.versions or [here, here], 1, [f"{DISTS[0]}:8x128k:2"]
+    if not args.versions:
+        p.error("give the versions to time (doc_packed/data folders or packing.py files)")
     torch.set_num_threads(1)
     mods = [_load(path, k) for k, path in enumerate(args.versions)]
     if args.cells:

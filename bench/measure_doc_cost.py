@@ -30,18 +30,20 @@ import torch
 
 from doc_packed import kernels
 from doc_packed.kernels import VarlenSpec
-from bench._harness import timed_ms
+from bench._harness import add_dry_run, device_name, timed_ms
 
 
-def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int, backend: str, iters: int):
+def _call(nq: int, nk: int, causal: bool, tokens: int, Hq: int, Hkv: int, D: int, backend: str, iters: int,
+          device: str = "cuda"):
     segs = max(1, tokens // nq)
     cu_q = [i * nq for i in range(segs + 1)]
     cu_k = [i * nk for i in range(segs + 1)]
     spec = VarlenSpec(cu_q, cu_k, causal, -1, 0 if causal else -1)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(segs * nq, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(segs * nk, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(segs * nk, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(segs * nq, Hq, D, device=device, dtype=dt, generator=g)
+    k = torch.randn(segs * nk, Hkv, D, device=device, dtype=dt, generator=g)
+    v = torch.randn(segs * nk, Hkv, D, device=device, dtype=dt, generator=g)
     do = torch.randn_like(q)
     scale = D**-0.5
     def fwd():
@@ -92,18 +94,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    add_dry_run(ap, "CPU, math kernel, float32, 512 tokens, 4 / 2 heads of 16, six shapes, one timing each")
     args = ap.parse_args(argv)
+    device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.backend, args.tokens, args.heads, args.head_dim, args.iters = "math", 512, [4, 2], 16, 1
     Hq, Hkv = args.heads
     shapes = [(n, n, True) for n in (16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048,
                                      3072, 4096, 8192, 16384, 32768)]
     shapes += [(nq, nk, False) for nq, nk in ((64, 1024), (128, 1024), (256, 1024), (1024, 1024), (128, 4096),
                                               (512, 4096), (2048, 4096), (4096, 4096), (64, 64), (256, 256),
                                               (100, 3000), (1000, 3000), (3000, 3000))]
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {args.backend}")
+    if args.dry_run:
+        shapes = [(64, 64, True), (256, 256, True), (512, 512, True), (64, 128, False), (128, 128, False),
+                  (256, 512, False)]
+    print(f"device {device_name(device)} torch {torch.__version__} backend {args.backend}")
     print(f"{'nq':>6} {'nk':>6} {'causal':>6} {'segs':>5} {'pairs M':>9} {'fwd ms':>8} {'f+b ms':>8} {'ps/pair f+b':>12}")
     rows = []
     for nq, nk, causal in shapes:
-        r = _call(nq, nk, causal, args.tokens, Hq, Hkv, args.head_dim, args.backend, args.iters)
+        r = _call(nq, nk, causal, args.tokens, Hq, Hkv, args.head_dim, args.backend, args.iters, device)
         rows.append(r)
         print(
             f"{nq:>6} {nk:>6} {causal!s:>6} {r['segments']:>5} {r['pairs'] / 1e6:>9.2f} {r['fwd_ms']:>8.3f} "
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=args.backend,
+            json.dump(dict(device=device_name(device), torch=torch.__version__, backend=args.backend,
                            tokens=args.tokens, heads=[Hq, Hkv], head_dim=args.head_dim, rows=rows, fit=fit), f, indent=1)
 
 

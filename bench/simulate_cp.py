@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from bench._harness import add_dry_run
 from bench.cp_model import (
     A2A_GBPS,
     AG_GBPS,
@@ -279,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced grid (< 1 minute)")
+    add_dry_run(p, "two points (128k tokens, CP 8 and 16, one distribution), one timing each, no plots")
     p.add_argument("--rows", type=int, default=1, help="packed rows per CP group (B); S = T/B")
     p.add_argument("--cp", type=int, nargs="+", help="CP sizes (default: 8 .. 1024)")
     p.add_argument("--tokens", type=int, nargs="+", help="tokens per CP group")
@@ -346,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     cps = args.cp or (QUICK_CP if args.quick else CP_SIZES)
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     dists = args.dists or DISTS
+    if args.dry_run:
+        cps, tokens, dists, args.repeats, args.out = [8, 16], [1 << 17], dists[:1], 1, None
     m = Model(tflops=args.tflops, a2a_gbps=args.a2a_gbps, ag_gbps=args.ag_gbps,
               a2a_fixed_ms=args.a2a_fixed_ms, ag_fixed_ms=args.ag_fixed_ms, launch_us=args.launch_us)
     if args.validate:
