@@ -85,8 +85,10 @@ from doc_packed._doc_layout import DocLayout
 from doc_packed._mask import prefix_pairs
 from doc_packed.cp.plan import TOLERANCE, build_plan, owner_ranges
 
+from bench.cp_call_cost import HKV, HQ, one_gpu_features, rank_stages
+
 # ---- model and hardware constants (landscape.md; the CLI overrides them) -------------------
-HQ, HKV, HEAD_DIM = 32, 8, 128
+HEAD_DIM = 128  # and HQ, HKV (32 / 8) from bench.cp_call_cost
 BF16, LSE_BYTES = 2, 4
 TFLOPS = 277.0  # H200 varlen fwd+bwd, 64k tokens, lognormal documents (277-327 measured)
 A2A_GBPS = 283.0  # all_to_all_single out per rank, 2 x H200, 256 MB
@@ -460,7 +462,6 @@ def evaluate(dist: str, T: int, c: int, layout: DocLayout, masks: list[RowMask],
     }
     t1_calls = None
     if call_cost is not None and c <= CALL_COST_MAX_CP:
-        from bench.cp_call_cost import one_gpu_features, rank_stages
         from doc_packed.cp.plan import ROW_COST
 
         rplan = build_plan(layout, c, CAUSAL, LEFT, RIGHT, query_cost=m.hq / m.hkv, tolerance=TOLERANCE,

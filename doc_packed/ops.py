@@ -25,12 +25,12 @@ A gradient flowing into ``lse`` (when the caller uses it) is handled by composin
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from . import _variants, flops, kernels
+from ._call import Call
 from ._doc_layout import DocLayout, cp_degree, get_layout
 from .kernels import lse_dtype
 
@@ -70,26 +70,6 @@ _SHARED: tuple[tuple[str, str, str | None], ...] = (
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
 BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
-
-
-class Call(NamedTuple):
-    """The arguments both ops take after their tensors, by name (``_SHARED``'s order, so
-    ``op(q, k, v, *call)`` passes them back positionally). Built once per call from the op's
-    arguments and handed down whole: to the context-parallel runtime and the gradient rules."""
-
-    cu_seqlens: torch.Tensor
-    seq_len: int
-    causal: bool
-    window_left: int
-    window_right: int
-    scale: float
-    backend: str
-    cp_group: str | None
-    planning_doc_len: int = 0  # planning_doc_len, planning_cp_dim: for cost estimates only
-    planning_cp_dim: str | None = None
-    softcap: float = 0.0
-    sinks: torch.Tensor | None = None
-    prefix_lens: torch.Tensor | None = None
 
 
 assert tuple(Call.__annotations__) == tuple(n for n, _, _ in _SHARED), "Call and the schema list the same arguments"

@@ -20,11 +20,12 @@ move; backward 2 (out and home).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .. import _variants, kernels
+from .._call import Call as OpCall  # the op's arguments by name
 from .._doc_layout import DocLayout, get_layout
 from . import comm
 from .plan import ContextParallelPlan, owner_range, runtime_plan
@@ -33,8 +34,6 @@ from .partials import add_partials_
 from .schedule import LOCAL, RECV, Call, RankSchedule, build_schedule
 from .warmup import warmup
 
-if TYPE_CHECKING:
-    from ..ops import Call as OpCall  # the op's arguments by name (ops imports this module, not back)
 
 __all__ = [
     "ScheduleKey",

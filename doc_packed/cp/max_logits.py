@@ -9,18 +9,15 @@ output, not on the attention's own path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .. import _compat, _variants, kernels
+from .._call import Call as OpCall  # the op's arguments by name
 from .._doc_layout import get_layout
 from .._mask import key_bounds
 from .plan import chunk_len, owner_range
-
-if TYPE_CHECKING:
-    from ..ops import Call as OpCall  # the op's arguments by name (ops imports this module, not back)
 
 
 def _gather_rows(k: torch.Tensor, seq_len: int, group) -> torch.Tensor:
