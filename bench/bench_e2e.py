@@ -248,17 +248,9 @@ def run_mode(
     use_prepare,
     settings,
 ):
-    from autoparallel.api import AutoParallel
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from shardings.autoparallel import (
-        cost_model_for,
-        describe_attention,
-        force_attention_layout,
-        lower_context_parallel,
-    )
-    from shardings.compile import compile_placed
-    from shardings.costs import pricing
+    from shardings.flow import place
     from shardings.step_model import Layout, Rates, Topology, price_placement
 
     torch._dynamo.reset()  # each mode compiles its own placed module
@@ -280,34 +272,27 @@ def run_mode(
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     rates = Rates.load(rates_path)
     layout = Layout.from_cu_seqlens(cu_host)  # real values: read before AutoParallel's fake mode
-    with (
-        device_name_for_cost_model(),
-        dp.planning(doc_len=mean_doc),
-        pricing(mesh, rates=rates, gpus_per_host=gpus_per_host, cu_seqlens=cu_host),
-        AutoParallel(model, input_fn, mesh, mp_policy=settings.mp_policy(),
-                     cost_model=cost_model_for(mesh, gpus_per_host)) as autop,
-    ):  # fmt: skip
-        if tok_words is not None:
-            tok_pl = tuple(pl[w] for w in tok_words)
-            cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
-            autop.add_input_constraints([tok_pl, cu_pl])
-            autop.add_output_constraints([tok_pl])
-        if force:
-            force_attention_layout(autop, force)
-        placement = autop.optimize_placement()
-        placement = lower_context_parallel(autop, placement)
-        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=rank == 0)
-        in_pl = solved_input_placements(autop, placement)
-        # the step model, per op (an eager module) and fused (a compiled one): which one applies
-        # is known once compile_placed has chosen
-        predicted_by = {
-            fused: price_placement(
-                autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host),
-                layout=layout, fused=fused,
-            )
-            for fused in (False, True)
-        }  # fmt: skip
-        parallel = autop.apply_placement(placement)
+    io = {}
+    if tok_words is not None:
+        tok_pl = tuple(pl[w] for w in tok_words)
+        cu_pl = tuple(Shard(0) if p == Shard(0) else Replicate() for p in tok_pl)
+        io = dict(inputs=[tok_pl, cu_pl], outputs=[tok_pl])
+    with device_name_for_cost_model():
+        placed = place(
+            model, input_fn, mesh, **io, attention=force, doc_len=mean_doc, gpus_per_host=gpus_per_host, rates=rates,
+            cu_seqlens=cu_host, mp_policy=settings.mp_policy(), print_report=rank == 0, compile_backend=compile_backend,
+        )  # fmt: skip
+    autop, placement, choices = placed.autop, placed.placement, placed.attention
+    in_pl = solved_input_placements(autop, placement)
+    # the step model, per op (an eager module) and fused (a compiled one): which one applies
+    # is known once compile_placed has chosen
+    predicted_by = {
+        fused: price_placement(
+            autop.gm.graph.nodes, placement, rates=rates, topology=Topology(gpus_per_host), layout=layout, fused=fused,
+        )
+        for fused in (False, True)
+    }  # fmt: skip
+    parallel = placed.parallel
     plan_s = time.perf_counter() - t0
     parallel.to_empty(device=device)
     torch.manual_seed(0)
@@ -319,7 +304,7 @@ def run_mode(
                 b.to_local().copy_(distribute_tensor(full, b.device_mesh, b.placements).to_local())
             else:
                 b.copy_(full)
-    model, choice = compile_placed(parallel, compile_backend)
+    model, choice = placed.module, placed.compiled_with
     predicted = predicted_by[choice.backend != "eager"]
     opt = settings.optimizer(parallel.parameters())
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]

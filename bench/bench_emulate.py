@@ -200,16 +200,15 @@ def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
     return out
 
 
-def place(layout, world, cfg, B, S, device, dtype):
+def place(layout, world, cfg, B, S, device, dtype, compile_backend):
     """AutoParallel plans the model for the layout's mesh (attention forced to the layout);
-    returns (placed module, mesh, token placements)."""
-    from autoparallel.api import AutoParallel
+    returns (placed module, its compiled form, the compile choice, mesh, token placements)."""
     from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
-    from shardings.autoparallel import force_attention_layout, lower_context_parallel
+    from shardings import flow
 
     names, letters, force = LAYOUTS[layout]
     reset_placement_options_cache()  # AutoParallel caches by shapes, not by mesh
@@ -225,17 +224,16 @@ def place(layout, world, cfg, B, S, device, dtype):
 
     with torch.device("meta"):
         model = Transformer(**cfg).to(dtype)
-    with device_name_for_cost_model(), dp.planning(doc_len=2048), AutoParallel(model, input_fn, mesh) as autop:
-        autop.add_input_constraints([tok_pl, cu_pl])
-        autop.add_output_constraints([tok_pl])
-        force_attention_layout(autop, force)
-        placement = lower_context_parallel(autop, autop.optimize_placement())
-        parallel = autop.apply_placement(placement)
+    # AutoParallel's own topology detection and the default attention pricing (gpus_per_host=None)
+    with device_name_for_cost_model():
+        placed = flow.place(model, input_fn, mesh, inputs=[tok_pl, cu_pl], outputs=[tok_pl], attention=force,
+                            doc_len=2048, gpus_per_host=None, describe=False, compile_backend=compile_backend)
+    parallel = placed.parallel
     parallel.to_empty(device=device)
     with torch.no_grad():
         for p in parallel.parameters():
             p.to_local().normal_(0, 0.02)
-    return parallel, mesh, tok_pl
+    return parallel, placed.module, placed.compiled_with, mesh, tok_pl
 
 
 def local_slice(t: torch.Tensor, mesh, placements) -> torch.Tensor:
@@ -248,20 +246,17 @@ def local_slice(t: torch.Tensor, mesh, placements) -> torch.Tensor:
 
 def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> list[dict]:
     """Place once for (layout, S); time rank 0 on each document kind. ``plain``: plain_runs()."""
-    from shardings.compile import compile_placed
-
     names = LAYOUTS[layout][0]
     shape = mesh_shape(layout, world)
     dp_size = shape[names.index("dp")] if "dp" in names else 1
     B = dp_size  # one row per data-parallel rank
     t0 = time.perf_counter()
-    parallel, mesh, tok_pl = place(layout, world, cfg, B, S, device, dtype)
+    parallel, compiled, choice, mesh, tok_pl = place(layout, world, cfg, B, S, device, dtype, args.compile)
     plan_s = time.perf_counter() - t0
     tokens = torch.randint(0, cfg["vocab"], (B, S), device=device)
     targets = torch.randint(0, cfg["vocab"], (B, S), device=device)
     lt, ltg = local_slice(tokens, mesh, tok_pl), local_slice(targets, mesh, tok_pl)
     opt = torch.optim.SGD(parallel.parameters(), lr=1e-3)
-    compiled, choice = compile_placed(parallel, args.compile)
     step = train_step_fn(compiled, lt, ltg, opt)
     peak = args.peak_tflops * 1e12
     rows = []

@@ -119,18 +119,11 @@ class Placed:
 
 def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     """AutoParallel places the model (attention pinned to the sequence unless ``--free``)."""
-    from autoparallel.api import AutoParallel
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from shardings.autoparallel import (
-        attention_report_lines,
-        cost_model_for,
-        describe_attention,
-        force_attention_layout,
-        lower_context_parallel,
-    )
-    from shardings.compile import compile_placed
+    from shardings.autoparallel import attention_report_lines
     from shardings.costs import pricing
+    from shardings.flow import place
 
     B, S = args.batch, args.seq
     cu_host = batches[0][2]
@@ -144,40 +137,34 @@ def _autoparallel_model(args, mesh, batches, init, say) -> Placed:
     # prices this CPU run as H100s would run it. Its topology detection needs a CUDA device and a
     # multiple of 8 GPUs: tell it the ranks share one host; attention is priced from the measured
     # rates of the step model (shardings/h200_rates.json) on the first batch's layout.
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True))
-        stack.enter_context(dp.planning(doc_len=args.mean_doc))
-        stack.enter_context(pricing(mesh, gpus_per_host=mesh.size(), cu_seqlens=cu_host))
-        with progress(say, "tracing the model"):
-            autop = stack.enter_context(
-                AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, mesh.size()))
-            )
-        autop.add_input_constraints([(Shard(1),), (Replicate(),)])
-        autop.add_output_constraints([(Shard(1),)])
-        if not args.free:
-            # at demo sizes attention costs about its per-call host time whatever the layout and
-            # the exchange only adds, so the free choice is replicate; pin attention to context
-            # parallel and let it place the rest
-            force_attention_layout(autop, {"cp": "sequence"})
-        with progress(say, "solving the placement (pulp)"):
-            placement = autop.optimize_placement()
-        placement = lower_context_parallel(autop, placement)
-        choices = describe_attention(autop, placement, cu_seqlens=cu_host, print_report=False)
-        with progress(say, "applying the placement"):
-            parallel = autop.apply_placement(placement)
+    # Attention: at demo sizes it costs about its per-call host time whatever the layout and the
+    # exchange only adds, so the free choice is replicate; unless --free, pin it to context
+    # parallel and let AutoParallel place the rest.
+    stages = {"trace": "tracing the model", "solve": "solving the placement (pulp)", "apply": "applying the placement"}
+    with patch("torch.cpu.get_device_name", lambda *a, **k: "H100", create=True):
+        by_ap = place(
+            model, input_fn, mesh, inputs=[(Shard(1),), (Replicate(),)], outputs=[(Shard(1),)],
+            attention=None if args.free else {"cp": "sequence"}, doc_len=args.mean_doc,
+            gpus_per_host=mesh.size(), cu_seqlens=cu_host, compile_backend="eager" if args.eager else "auto",
+            progress=lambda stage: progress(say, stages[stage]),
+        )  # fmt: skip
+        choices = list(by_ap.attention)
         sequence = any("sequence" in c.layout.values() for c in choices)
         considered, break_even = [], ""
         if args.free:
             considered = _considered(choices)
-            if not sequence:
-                break_even = _break_even(args, mesh, S, sorted({c.layout["cp"] for c in choices}))
+            if not sequence:  # priced as the solver was
+                with pricing(mesh, gpus_per_host=mesh.size(), cu_seqlens=cu_host):
+                    break_even = _break_even(args, mesh, S, sorted({c.layout["cp"] for c in choices}))
+    assert by_ap.parallel is not None and by_ap.module is not None and by_ap.compiled_with is not None  # applied
+    parallel: Any = by_ap.parallel  # its parameters are DTensors
+    compiled, choice = by_ap.module, by_ap.compiled_with
     parallel.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in parallel.named_parameters():
             p.to_local().copy_(distribute_tensor(init[name], mesh, p.placements).to_local())
     words = " | ".join(sorted({", ".join(f"{k}: {v}" for k, v in c.layout.items()) for c in choices}))
     how = "chosen by AutoParallel" if args.free else "pinned; the rest placed by AutoParallel"
-    compiled, choice = compile_placed(parallel, "eager" if args.eager else "auto")
     strategies = attention_report_lines(choices)[1:-1]  # the nodes' lines (the header is the section's)
     breakdown: dict[str, list] = {}
     for c in choices:  # the first node of each role: one layer

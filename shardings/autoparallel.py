@@ -10,6 +10,8 @@ Usage::
         describe_attention(autop, placement)   # chosen + 2 alternatives, costs in ms, and why
         parallel = autop.apply_placement(placement)
 
+The whole flow in one call, these steps included: :func:`shardings.flow.place`.
+
 AutoParallel (https://github.com/meta-pytorch/autoparallel) is installed from its git
 repository; this module imports nothing from it at import time.
 """

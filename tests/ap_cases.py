@@ -52,11 +52,9 @@ def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, ste
               compile_backend="eager"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from autoparallel.api import AutoParallel
 
     from doc_packed_testing.ap_compat import device_name_for_cost_model
-    from shardings.autoparallel import cost_model_for, describe_attention, force_attention_layout, lower_context_parallel
-    from shardings.costs import pricing
+    from shardings.flow import place
 
     pl = {"R": Replicate(), "B": Shard(0), "S": Shard(1)}
     tok_pl = tuple(pl[c] for c in in_pl)
@@ -73,27 +71,18 @@ def _ap_train(rank, world, mesh_shape, names, in_pl, out_pl, cfg, batch_cfg, ste
     with torch.device("meta"):
         model = Transformer(**cfg).double()
     # one host: AutoParallel is told the topology (its detection needs CUDA and 8 GPUs)
-    with device_name_for_cost_model(), dp.planning(doc_len=doc_len_hint), pricing(
-        mesh, gpus_per_host=mesh.size(), cu_seqlens=batches[0][2]
-    ):
-        with AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, mesh.size())) as autop:
-            autop.add_input_constraints([tok_pl, cu_pl])
-            autop.add_output_constraints([o_pl])
-            if force:
-                force_attention_layout(autop, force)
-            placement = autop.optimize_placement()
-            placement = lower_context_parallel(autop, placement)
-            choices = describe_attention(autop, placement, cu_seqlens=batches[0][2], print_report=False)
-            parallel = autop.apply_placement(placement)
+    with device_name_for_cost_model():
+        placed = place(
+            model, input_fn, mesh, inputs=[tok_pl, cu_pl], outputs=[o_pl], attention=force or None,
+            doc_len=doc_len_hint, gpus_per_host=mesh.size(), cu_seqlens=batches[0][2], compile_backend=compile_backend,
+        )  # fmt: skip
+    parallel, model, choice, choices = placed.parallel, placed.module, placed.compiled_with, placed.attention
     parallel.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in parallel.named_parameters():
             p.to_local().copy_(distribute_tensor(init_state[name], mesh, p.placements).to_local())
-    from shardings.compile import compile_placed
-
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # after the trace, before the first call compiles (compilation is lazy)
     torch._dynamo.utils.counters.clear()
-    model, choice = compile_placed(parallel, compile_backend)
     opt = torch.optim.SGD(parallel.parameters(), lr=lr)
     replicas = 1
     for d, p in enumerate(o_pl):

@@ -30,18 +30,12 @@ if not autoparallel_available():
 
     pytest.skip(autoparallel_status()[1], allow_module_level=True)
 
-import doc_packed as dp  # noqa: E402
 from doc_packed.ops import arg_index  # noqa: E402
 from ap_cases import ap_train  # noqa: E402
 from doc_packed_examples.model import Transformer  # noqa: E402
-from shardings.autoparallel import (  # noqa: E402
-    attention_time_us,
-    cost_model_for,
-    describe_attention,
-    lower_context_parallel,
-    sequence_break_even,
-)
+from shardings.autoparallel import attention_time_us, describe_attention, sequence_break_even  # noqa: E402
 from shardings.costs import pricing  # noqa: E402
+from shardings.flow import place  # noqa: E402
 
 pytestmark = [pytest.mark.autoparallel]
 
@@ -77,7 +71,6 @@ def plan(mesh_shape, names, B, S, doc_len, cfg=BIG, inputs=None, apply=False, cp
 
 
 def _plan(mesh_shape, names, B, S, doc_len, cfg, inputs, apply, cp_dim):
-    from autoparallel.api import AutoParallel
     from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
     from autoparallel.shardings.placement_options import reset_placement_options_cache
     from torch.distributed.device_mesh import init_device_mesh
@@ -92,19 +85,14 @@ def _plan(mesh_shape, names, B, S, doc_len, cfg, inputs, apply, cp_dim):
     def input_fn():
         return torch.randint(0, cfg["vocab"], (B, S)), torch.zeros(B, 33, dtype=torch.int32)
 
-    with device_name_for_cost_model(), dp.planning(doc_len=doc_len, cp_dim=cp_dim), pricing(
-        mesh, gpus_per_host=8
-    ), AutoParallel(model, input_fn, mesh, cost_model=cost_model_for(mesh, 8)) as autop:
-        if inputs is not None:
-            autop.add_input_constraints(inputs)
-        placement = autop.optimize_placement()
-        placement = lower_context_parallel(autop, placement)
-        choices = describe_attention(autop, placement, print_report=False, alternatives=True)
-        if apply:
-            autop.apply_placement(placement)
-    layouts = {c.role: c.layout for c in choices}
+    with device_name_for_cost_model():
+        placed = place(
+            model, input_fn, mesh, inputs=inputs, doc_len=doc_len, cp_dim=cp_dim, gpus_per_host=8, apply=apply,
+            compile_backend="eager",
+        )  # fmt: skip
+    layouts = {c.role: c.layout for c in placed.attention}
     assert layouts["forward"] == layouts["backward"]
-    return layouts["forward"], autop, placement, choices
+    return layouts["forward"], placed.autop, placed.placement, list(placed.attention)
 
 
 def _dp_inputs():

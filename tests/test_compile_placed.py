@@ -36,3 +36,15 @@ def test_choices_and_reasons(monkeypatch):
         sc.compile_placed(model, "autoparallel")
     _, choice = sc.compile_placed(model, "inductor")
     assert choice.backend == "inductor" and choice.reason == "asked for"
+
+
+def test_place_rejects_bad_arguments_before_tracing():
+    """shardings.flow.place checks its compile backend and pricing arguments before it imports
+    AutoParallel, traces or solves (so this runs without AutoParallel)."""
+    from shardings.flow import place
+
+    model, mesh = torch.nn.Linear(4, 4), object()
+    with pytest.raises(ValueError, match="compile_backend must be one of"):
+        place(model, lambda: (torch.zeros(1, 4),), mesh, compile_backend="bogus")
+    with pytest.raises(ValueError, match="rates are used by the attention pricing, which needs gpus_per_host"):
+        place(model, lambda: (torch.zeros(1, 4),), mesh, gpus_per_host=None, rates="rates.json")
