@@ -62,6 +62,7 @@ import time
 import torch
 
 import doc_packed as dp
+from doc_packed_examples.model import random_attention_problem
 from bench._harness import add_dry_run, device_name, sync, timed_ms
 from bench.emulated_layouts import emulated_lengths
 from doc_packed import _doc_layout, kernels
@@ -289,16 +290,6 @@ def _install(impl) -> None:
 # ----------------------------------------------------------------------------- runs
 
 
-def _problem(S, lengths, Hq, Hkv, D, seed=0):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    q = torch.randn(1, S, Hq, D, device=DEVICE, dtype=DTYPE, generator=g)
-    k = torch.randn(1, S, Hkv, D, device=DEVICE, dtype=DTYPE, generator=g)
-    v = torch.randn(1, S, Hkv, D, device=DEVICE, dtype=DTYPE, generator=g)
-    dout = torch.randn(q.shape, device=DEVICE, dtype=DTYPE, generator=g)
-    cu = dp.cu_seqlens_from_lengths([lengths], S, max_docs=len(lengths) + 8).to(DEVICE)
-    return q, k, v, dout, cu
-
-
 def _new_layout(run):
     """``run`` as the first call of a step whose layout is new: every cached layout (with the
     plans, schedules and device offsets memoised on it) is forgotten before each call, so the call
@@ -424,7 +415,7 @@ def _split(run) -> dict:
 
 def timing(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     lengths = emulated_lengths(layout, S, c, packing)
-    q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D)
+    q, k, v, dout, cu = random_attention_problem(lengths, S, (Hq, Hkv), D, DTYPE, DEVICE, 0)
     anchor = _fwd_bwd(q, k, v, dout, cu, S, None)
     one = _timed(anchor, iters)
     row_cost = getattr(cp_plan, "ROW_COST", None)  # (None: a tree whose plan.py has no row prices)
@@ -523,7 +514,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
     chunks (per-GPU efficiency if every rank took the mean chunk time); ``balanced`` also charges
     the chunks' own imbalance (cut row / (c x slowest chunk))."""
     chunks = _cut(emulated_lengths(layout, S, c, packing), S, c)
-    q, k, v, dout, cu = _problem(S, [n for ch in chunks for n in ch], Hq, Hkv, D)
+    q, k, v, dout, cu = random_attention_problem([n for ch in chunks for n in ch], S, (Hq, Hkv), D, DTYPE, DEVICE, 0)
     whole = _fwd_bwd(q, k, v, dout, cu, S, None)
     parts = []
     for r, ch in enumerate(chunks):
@@ -545,7 +536,7 @@ def ceiling(S, layout, c, Hq, Hkv, D, iters, packing="greedy") -> dict:
 
 def check(S, layout, c, Hq, Hkv, D, packing="greedy") -> dict:
     lengths = emulated_lengths(layout, S, c, packing)
-    q, k, v, dout, cu = _problem(S, lengths, Hq, Hkv, D, seed=1)
+    q, k, v, dout, cu = random_attention_problem(lengths, S, (Hq, Hkv), D, DTYPE, DEVICE, 1)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     ref_out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, cu, S, True, -1, 0, D**-0.5, "auto", None)
     ref = (ref_out, *torch.autograd.grad(ref_out, (qq, kk, vv), dout))
