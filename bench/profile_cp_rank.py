@@ -27,6 +27,7 @@ from bench import bench_cp_emulate as emu
 from bench._harness import add_dry_run, device_name, sync
 from bench.emulated_layouts import emulated_lengths
 from doc_packed.cp import attention as cp_attention
+from doc_packed_examples.model import random_attention_problem
 from doc_packed.ops import Call
 
 
@@ -47,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         emu.DEVICE, emu.DTYPE = "cpu", torch.float32
         S, c, Hq, Hkv, D, args.layout, args.iters, args.top = 512, 2, 4, 2, 16, "lognormal 512", 2, 5
     dev = emu.DEVICE
-    q, k, v, dout, cu = emu._problem(S, emulated_lengths(args.layout, S, c, args.packing), Hq, Hkv, D)
+    q, k, v, dout, cu = random_attention_problem(
+        emulated_lengths(args.layout, S, c, args.packing), S, (Hq, Hkv), D, emu.DTYPE, emu.DEVICE, 0
+    )
     scale = D**-0.5
     runs = {}
     for r in range(c):
