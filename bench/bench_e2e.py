@@ -247,6 +247,7 @@ def run_mode(
     thread_settings,
     use_prepare,
     settings,
+    profile_dir=None,
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -427,6 +428,11 @@ def run_mode(
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host={k: after[k] - before[k] for k in after},
         )
+    if profile_dir:  # after the timed steps: their figures stay unprofiled
+        torch.set_num_threads(thread_settings[0][0])
+        n0 = len(batches)
+        batches.extend(make_batches(4, spec, B, S, mean_doc, device, seed=4242))
+        _profile_steps(lambda i: step(n0 + i, n0 + 4), device, profile_dir, mode)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     layout = {c.role: c.layout for c in choices}
     head = next(iter(timed.values()))
@@ -454,6 +460,55 @@ def run_mode(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _profile_steps(step, device, out_dir, mode) -> None:
+    """Where a step's host time goes, on every rank, written by rank 0 for itself and the rank
+    slowest to queue: step 0 (a new layout) unprofiled, step 1 under cProfile (Python calls), step 2
+    under torch.profiler (operators, host and device). Each step has a layout of its own."""
+    import cProfile
+    import io
+    import pstats
+
+    def settle():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    step(0)
+    settle()
+    py = cProfile.Profile()
+    h0 = time.perf_counter()
+    py.enable()
+    step(1)
+    py.disable()
+    host_py = time.perf_counter() - h0
+    settle()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        h0 = time.perf_counter()
+        step(2)
+        host_op = time.perf_counter() - h0
+        settle()
+    text = io.StringIO()
+    for key, n in (("tottime", 45), ("cumulative", 45)):
+        pstats.Stats(py, stream=text).sort_stats(key).print_stats(n)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    ops_dev = prof.key_averages().table(sort_by=sort, row_limit=25) if device.type == "cuda" else ""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (host_py, host_op, text.getvalue(), ops, ops_dev))
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        slow = max(range(len(every)), key=lambda r: every[r][1])
+        with open(os.path.join(out_dir, f"profile_{mode}.txt"), "w") as f:
+            f.write("host ms to queue (cProfiled step, torch.profiler step) per rank: "
+                    + ", ".join(f"{r}: {1e3 * e[0]:.1f}, {1e3 * e[1]:.1f}" for r, e in enumerate(every)) + "\n")  # fmt: skip
+            for r in dict.fromkeys((0, slow)):
+                f.write(f"\n===== rank {r}: torch.profiler, by self CPU time =====\n{every[r][3]}\n")
+                if every[r][4]:
+                    f.write(f"\n===== rank {r}: torch.profiler, by self device time =====\n{every[r][4]}\n")
+                f.write(f"\n===== rank {r}: cProfile =====\n{every[r][2]}\n")
 
 
 def _cp_calls(gm, cfg) -> list[tuple[str, tuple[int, int], bool, tuple[int, int]]]:
@@ -582,6 +637,7 @@ def worker(rank, world, port, args):
                 settings,
                 not args.no_prepare,
                 train,
+                profile_dir=args.profile,
             )
         except Exception as e:  # report and go on with the next mode
             import traceback
@@ -755,6 +811,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 (SGD), 8e-4 (AdamW)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing: every block recomputed")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after each mode's timed steps, profile two more (cProfile, torch.profiler) on every rank: "
+        "DIR/profile_<mode>.txt holds rank 0's and the slowest rank's",
+    )
     add_dry_run(ap, "gloo ranks on CPU, float32, the models' tiny shape (pass small sizes too: --seq 256 ...)")
     args = ap.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank

@@ -31,7 +31,7 @@ DRY_RUNS = {
     "bench_cp": (["--sizes", "512", "--quick"], False, True),
     "bench_e2e": (
         ["--gpus", "2", "--seq", "256", "--batch", "2", "--steps", "1", "--warmup", "1", "--modes", "cp",
-         "--threads", "launched", "--no-anchor"],
+         "--threads", "launched", "--no-anchor", "--profile", "{tmp}"],
         True, True,
     ),
     "bench_emulate": (["--seq", "256", "--layouts", "cp", "--docs", "lognormal", "--steps", "1", "--warmup", "1",
@@ -81,11 +81,17 @@ def test_every_script_parses_only_in_main():
     "name",
     [pytest.param(n, marks=[pytest.mark.slow] if DRY_RUNS[n][2] else []) for n in DRY_RUNS],
 )
-def test_dry_run(name):
+def test_dry_run(name, tmp_path):
+    """``{tmp}`` in a script's arguments is a scratch folder: what the script writes there is checked."""
     extra, needs_autoparallel, _ = DRY_RUNS[name]
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
     if needs_autoparallel:
         pytest.importorskip("autoparallel")
         pytest.importorskip("pulp")
     cmd = [sys.executable, "-m", f"bench.{name}", "--dry-run", *extra]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"{' '.join(cmd)}:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    if name == "bench_e2e":  # --profile: each rank's host time, and rank 0's profiles of both kinds
+        text = (tmp_path / "profile_cp.txt").read_text()
+        assert text.startswith("host ms to queue") and "1: " in text.splitlines()[0]
+        assert "rank 0: cProfile" in text and "doc_packed::attn_fwd" in text
