@@ -75,6 +75,43 @@ def solved_input_placements(autop, placement):
     return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
 
 
+def solved_output_placements(autop, placement):
+    """The solver's placements of the placed module's outputs (the logits first)."""
+    from torch._functorch._aot_autograd.fx_utils import get_plain_output_and_tangent_nodes
+
+    nodes = get_plain_output_and_tangent_nodes(autop.gm.graph)
+    return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity: every rank of the group computes the
+    same loss from the sum, so each rank's part gets the sum's gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_parallel_token_loss(logits, targets, vocab_start, group) -> torch.Tensor:
+    """Per-token cross entropy of logits whose vocabulary is split over ``group`` (this rank holds
+    columns ``vocab_start`` onwards), as the full logits would give it; float32."""
+    x = logits.float()
+    top = x.detach().amax(-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    z = x - top.unsqueeze(-1)
+    total = _SumOverGroup.apply(z.exp().sum(-1), group)
+    t = targets - vocab_start
+    mine = (t >= 0) & (t < x.shape[-1])
+    picked = z.gather(-1, t.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+    return total.log() - _SumOverGroup.apply(picked, group)
+
+
 # mode -> (mesh dim names -> (token placement letters or None for free, forced attention))
 MODES = {
     "auto": lambda names: (None, None),
@@ -255,7 +292,7 @@ def run_mode(
     from shardings.step_model import Layout, Rates, Topology, price_placement
 
     torch._dynamo.reset()  # each mode compiles its own placed module
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     max_docs = S // 8
     batches = make_batches(warmup + steps, spec, B, S, mean_doc, device)
 
@@ -309,7 +346,15 @@ def run_mode(
     predicted = predicted_by[choice.backend != "eager"]
     opt = settings.optimizer(parallel.parameters())
     tok_pl, cu_pl = in_pl[-2], in_pl[-1]
-    out_pl = tok_pl if tok_words is not None else None
+    # the logits as the solver placed them: rows / tokens split like the targets, and, left free,
+    # perhaps the vocabulary split too (the loss is then computed vocabulary-parallel)
+    out_pl = tok_pl if tok_words is not None else solved_output_placements(autop, placement)[0]
+    if any(p.is_partial() for p in out_pl):
+        raise NotImplementedError(f"logits placed {out_pl}: partial sums are not reduced by this benchmark")
+    vocab_dims = [d for d, p in enumerate(out_pl) if p == Shard(2)]
+    if len(vocab_dims) > 1:
+        raise NotImplementedError(f"logits placed {out_pl}: vocabulary split over more than one mesh dim")
+    tgt_pl = tuple(Replicate() if p == Shard(2) else p for p in out_pl)
 
     cp_calls = _cp_calls(autop.gm, spec.cfg)
     ready: dict[int, torch.Tensor] = {}
@@ -335,34 +380,42 @@ def run_mode(
             )
         return out
 
-    def like_logits(full, local_shape):
-        """``full`` ([B, S]) as this rank's logits ([b, s] = ``local_shape``) hold it: in the
-        tokens' placement (constrained), or, left to the solver on a 1-D mesh, told by the shape."""
-        if out_pl is not None:
-            return distribute_tensor(full, mesh, out_pl).to_local()
-        if local_shape[0] != B:
-            return full.chunk(world, 0)[rank]
-        if local_shape[1] != S:
-            return full.chunk(world, 1)[rank]
-        return full
+    def like_logits(full):
+        """``full`` ([B, S]) as this rank's logits hold its rows and tokens."""
+        return distribute_tensor(full, mesh, tgt_pl).to_local()
+
+    def token_loss(logits, targets):
+        if not vocab_dims:
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        d = vocab_dims[0]
+        vocab_start = -(-spec.cfg["vocab"] // mesh.size(d)) * mesh.get_local_rank(d)  # Shard's chunks
+        return vocab_parallel_token_loss(logits, targets, vocab_start, mesh.get_group(d)).flatten()
 
     last: dict = {}
 
+    phases: list[tuple[float, ...]] = []  # host seconds of each step's parts, and its agreement wait
+
     def step(i, n):
+        clock = time.perf_counter
+        t0, a0 = clock(), dp.cp.runtime_counts()["agreement_us"]
         tokens, targets, _ = batches[i]
         lc = ready.pop(i) if i in ready else local_cu(i)
         lt = distribute_tensor(tokens, mesh, tok_pl).to_local()
         logits = model(lt, lc)
+        t1 = clock()
         if i + 1 < n:  # the next batch's host work while this step's is queued
             ready[i + 1] = local_cu(i + 1)
-        tok_loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), like_logits(targets, logits.shape).flatten(), reduction="none"
-        )
+        t2 = clock()
+        tok_loss = token_loss(logits, like_logits(targets))
         loss = tok_loss.mean()
         loss.backward()
+        t3 = clock()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        last.update(tok_loss=tok_loss.detach(), step=i, shape=logits.shape[:2])  # per document, after timing
+        t4 = clock()
+        waited = (dp.cp.runtime_counts()["agreement_us"] - a0) * 1e-6
+        phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, waited))
+        last.update(tok_loss=tok_loss.detach(), step=i)  # per document, after timing
         return loss
 
     timed: dict[str, dict] = {}
@@ -389,6 +442,7 @@ def run_mode(
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
             gc.collect()
             gc.freeze()
+        phases.clear()
         t0 = time.perf_counter()
         with _GcPauses() as seen:
             for i in range(warmup, warmup + steps):
@@ -406,7 +460,7 @@ def run_mode(
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
-        dist.all_gather_object(every, (host, pauses, compiled))
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases)))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -414,7 +468,7 @@ def run_mode(
         if gc_mode == "freeze":
             gc.unfreeze()
         tok_loss = last["tok_loss"]
-        doc_ids = like_logits(models.global_doc_ids(batches[last["step"]][2], S).to(device), last["shape"])
+        doc_ids = like_logits(models.global_doc_ids(batches[last["step"]][2], S).to(device))
         per_doc = models.document_losses(tok_loss, doc_ids, B * max_docs, group=dist.group.WORLD)
         timed[f"{threads}" + (", gc frozen" if gc_mode == "freeze" else "")] = dict(
             step_s=dt,
@@ -424,6 +478,9 @@ def run_mode(
             gc_s_max=gc_max,
             gc_generation=gc_gen,
             kernels_compiled_max=compiled_max,
+            # per step, per rank: host seconds of forward, next batch's prepare, loss + backward,
+            # optimizer, and of the agreements' waits inside them
+            host_phases=[[r[3][k] for r in every] for k in range(steps)],
             loss=float(loss.detach()),
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host={k: after[k] - before[k] for k in after},
@@ -712,6 +769,12 @@ def worker(rank, world, port, args):
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
                 )
                 print("    FA4 kernels compiled (most on a rank) " + " ".join(map(str, t["kernels_compiled_max"])))
+                slowest = sorted(range(len(t["step_times_s"])), key=lambda k: -t["step_times_s"][k])[:3]
+                for k in sorted(slowest):
+                    parts = "; ".join(
+                        f"r{r} " + "/".join(f"{1e3 * x:.1f}" for x in ph) for r, ph in enumerate(t["host_phases"][k])
+                    )
+                    print(f"    step {k} host ms forward/prepare/backward/optimizer/agreement wait: {parts}")
                 print(
                     "    gc pause ms (slowest rank; oldest generation) "
                     + " ".join(

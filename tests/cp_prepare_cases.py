@@ -41,6 +41,7 @@ def prepared(rank, world):
     S, rng = 64, random.Random(5)
     group = dist.group.WORLD
     report = []
+    agreed0 = cp.runtime_counts()["agreements"]
     for i, (causal, window) in enumerate([(True, (-1, -1)), (True, (9, 0)), (False, (6, 11))]):
         cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S), random_lengths(rng, S)], S, max_docs=S)
         before, in_calls = cp.runtime_counts()["schedules"], cp.runtime_counts()["schedules_in_calls"]
@@ -48,6 +49,8 @@ def prepared(rank, world):
         made = cp.runtime_counts()["schedules"] - before
         err = _run(rank, world, ready, S, causal, window, i)
         report.append(("prepared", made, cp.runtime_counts()["schedules_in_calls"] - in_calls, err))
+    counts = cp.runtime_counts()
+    report.append(("agreements", counts["agreements"] - agreed0, counts["agreement_us"], 0.0))
     # a plan made from plain lists (a DataLoader worker's way), pickled, handed back: it runs
     cu = dp.cu_seqlens_from_lengths([[40, 24], [7, 50, 7]], S, max_docs=4)
     plan = dp.plan_context_parallel(cu.tolist(), world, num_heads=(HQ, HKV), tolerance=0.5, row_cost=None)

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -176,6 +177,12 @@ def exchange(fields: Sequence[Field], group_name: str) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- agreement
 
 AGREEMENT_WORDS = 3  # int64 words each rank sends per call: a 128-bit fingerprint, an error flag
+_AGREEMENTS = [0, 0]  # agreements made by this process, nanoseconds they took (waiting for peers included)
+
+
+def agreements() -> tuple[int, int]:
+    """(agreements this process made, microseconds they took: the host waits for its peers there)."""
+    return _AGREEMENTS[0], _AGREEMENTS[1] // 1000
 
 
 def fingerprint(*parts: object) -> tuple[int, int]:
@@ -293,7 +300,10 @@ def check_agreement(
         h = _fields_fingerprint(tuple(fields.items()))
     except TypeError:  # an unhashable value
         h = fingerprint(*fields.items())
+    t0 = time.perf_counter_ns()
     rows = channel.exchange((*h, int(local_error is not None)))
+    _AGREEMENTS[0] += 1
+    _AGREEMENTS[1] += time.perf_counter_ns() - t0
     failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
         mine = "" if local_error is None else f"{type(local_error).__name__}: {local_error}"

@@ -103,15 +103,20 @@ def runtime_counts() -> dict[str, int]:
     """What this process's context-parallel calls cost the host so far: ``schedules`` built
     (a plan and one rank's schedule each, :func:`prepare`'s included), ``schedules_in_calls``
     (those an attention call had to build: its layout was not prepared), ``device_reads`` of
-    a ``cu_seqlens`` that nothing had registered (each one a device sync) and FA4's
+    a ``cu_seqlens`` that nothing had registered (each one a device sync), FA4's
     ``kernels_compiled`` (:func:`doc_packed.kernels.fa4.compiled_kernels`; none after the
-    warm-up is the contract)."""
+    warm-up is the contract), and the ``agreements`` calls made with their peers before
+    exchanging, with the microseconds they took (``agreement_us``: a rank whose peers are late
+    waits there)."""
     built, in_calls = attention.schedules_built()
+    agreed, agreed_us = comm.agreements()
     return {
         "schedules": built,
         "schedules_in_calls": in_calls,
         "device_reads": _doc_layout.device_reads(),
         "kernels_compiled": fa4.compiled_kernels(),
+        "agreements": agreed,
+        "agreement_us": agreed_us,
     }
 
 
