@@ -285,6 +285,7 @@ def run_mode(
     use_prepare,
     settings,
     profile_dir=None,
+    stall_dump=0.0,
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -448,7 +449,8 @@ def run_mode(
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
                 h0, k0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"]
-                loss = step(i, warmup + steps)
+                with _stall_dumps(stall_dump, profile_dir, mode, f"{threads} threads, timed step {i - warmup}"):
+                    loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
                 compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
                 pauses.append(seen.take())
@@ -485,7 +487,7 @@ def run_mode(
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host={k: after[k] - before[k] for k in after},
         )
-    if profile_dir:  # after the timed steps: their figures stay unprofiled
+    if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
         torch.set_num_threads(thread_settings[0][0])
         n0 = len(batches)
         batches.extend(make_batches(4, spec, B, S, mean_doc, device, seed=4242))
@@ -517,6 +519,27 @@ def run_mode(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+@contextlib.contextmanager
+def _stall_dumps(after_s: float, out_dir, mode: str, label: str):
+    """Where this rank's host is when a step has run ``after_s`` seconds and every ``after_s``
+    after (faulthandler: every thread's Python stack, taken without the GIL), appended to
+    ``out_dir/stalls_<mode>_rank<r>.txt``; nothing when ``after_s`` is 0."""
+    if not after_s or not out_dir:
+        yield
+        return
+    import faulthandler
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"stalls_{mode}_rank{dist.get_rank()}.txt"), "a") as f:
+        f.write(f"=== {label}\n")
+        f.flush()
+        faulthandler.dump_traceback_later(after_s, repeat=True, file=f)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _profile_steps(step, device, out_dir, mode) -> None:
@@ -695,6 +718,7 @@ def worker(rank, world, port, args):
                 not args.no_prepare,
                 train,
                 profile_dir=args.profile,
+                stall_dump=args.stall_dump,
             )
         except Exception as e:  # report and go on with the next mode
             import traceback
@@ -880,6 +904,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="DIR",
         help="after each mode's timed steps, profile two more (cProfile, torch.profiler) on every rank: "
         "DIR/profile_<mode>.txt holds rank 0's and the slowest rank's",
+    )
+    ap.add_argument(
+        "--stall-dump",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --profile: each timed step still queuing after SECONDS (and every SECONDS after) "
+        "writes every thread's Python stack to DIR/stalls_<mode>_rank<r>.txt",
     )
     add_dry_run(ap, "gloo ranks on CPU, float32, the models' tiny shape (pass small sizes too: --seq 256 ...)")
     args = ap.parse_args(argv)
