@@ -85,3 +85,33 @@ def test_merge_matches_float64(dtype, D, strided, path):
 @pytest.mark.parametrize("width", [(2, 4), (8, 128)], ids=["narrow", "Hkv8-D128"])
 def test_partials_summed_once_on_cuda(dtype, case, width):
     check_partials(dtype, case, torch.device("cuda"), *width)
+
+
+def test_runtime_kernels_compile_once_for_every_layout():
+    """The merge and the partial sums see slices at every row offset and row count a layout
+    brings (pointer alignments, counts of 1, multiples of 16 and not): after each kernel's first
+    compile, none compiles again (each new variant was a 0.3-0.8 s stall of a training step)."""
+    from doc_packed.cp import _triton, partials
+
+    H, D, dtype = 4, 128, torch.bfloat16
+
+    def merge(n, off):
+        o, ob = (torch.randn(n + 8, H, D, device="cuda", dtype=dtype)[off : off + n] for _ in range(2))
+        lse, lseb = (torch.randn(H, n + 9, device="cuda")[:, off : off + n] for _ in range(2))
+        lse_merge.merge_(o, lse, ob, lseb)
+
+    def add(g, k, r0, n):
+        dk, dv = torch.zeros(2, 70, 2, D, device="cuda", dtype=dtype)
+        back = torch.randn(g + k * n + 3, 2, 2, D, device="cuda", dtype=dtype)[3:]
+        partials.add_partials_(dk, dv, back, [(g, k, r0, n)])
+
+    merge(16, 0)
+    add(0, 1, 0, 16)
+    first = _triton.compiled_variants()
+    assert first >= 2, "the Triton merge and partial sums did not run"
+    for n in (1, 2, 15, 16, 17, 33, 64):
+        for off in (0, 1, 2, 3, 5):
+            merge(n, off)
+            add(off, 1 + off % 3, 7 * off, n)
+    torch.cuda.synchronize()
+    assert _triton.compiled_variants() == first

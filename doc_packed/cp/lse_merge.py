@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from ._triton import jit_once, track
+
 __all__ = ["merge_"]
 
 
@@ -54,7 +56,8 @@ def _triton_merge():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         return None  # Triton's supported GPUs; older ones take the torch ops
 
-    @triton.jit(do_not_specialize=["n", "sl_h", "slb_h", "so_r", "sob_r"])  # no recompile per layout
+    # one compile for every layout: the rows, their strides and the slices' pointers all vary
+    @triton.jit(**jit_once("o_ptr", "l_ptr", "ob_ptr", "lb_ptr", "n", "so_r", "sl_h", "sob_r", "slb_h"))
     def _kernel(
         o_ptr, l_ptr, ob_ptr, lb_ptr, n, D,
         so_r, so_h, sl_h, sl_r, sob_r, sob_h, slb_h, slb_r,
@@ -81,6 +84,8 @@ def _triton_merge():
         res = ob * wb + oa * wa
         tl.store(o_ptr + r[:, None] * so_r + h * so_h + d[None, :], res.to(o_ptr.dtype.element_ty), mask=m)
         tl.store(l_ptr + h * sl_h + r * sl_r, lse.to(l_ptr.dtype.element_ty), mask=rm)
+
+    track(_kernel)
 
     def run(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
         n, H, D = out.shape

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
+from ._triton import jit_once, track
 
 __all__ = ["add_partials_"]
 
@@ -59,7 +60,7 @@ def _triton_partials():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         return None  # Triton's supported GPUs; older ones take the torch ops
 
-    @triton.jit(do_not_specialize=["g", "k", "r0", "n"])  # no recompile per layout
+    @triton.jit(**jit_once("dk_ptr", "dv_ptr", "back_ptr", "g", "k", "r0", "n"))  # one compile for every layout
     def _kernel(dk_ptr, dv_ptr, back_ptr, g, k, r0, n, W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -75,6 +76,8 @@ def _triton_partials():
         dv = tl.load(dv_ptr + at, mask=m, other=0.0).to(tl.float32) + acc_v
         tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=m)
         tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=m)
+
+    track(_kernel)
 
     def run(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, g: int, k: int, r0: int, n: int) -> None:
         W = dk[0].numel()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import _doc_layout
 from ..kernels import fa4
 from .._checks import check_cu_seqlens, check_window
-from . import attention, comm
+from . import _triton, attention, comm
 from .plan import ContextParallelPlan, query_cost_of
 
 __all__ = ["prepare", "runtime_counts"]
@@ -103,9 +103,9 @@ def runtime_counts() -> dict[str, int]:
     """What this process's context-parallel calls cost the host so far: ``schedules`` built
     (a plan and one rank's schedule each, :func:`prepare`'s included), ``schedules_in_calls``
     (those an attention call had to build: its layout was not prepared), ``device_reads`` of
-    a ``cu_seqlens`` that nothing had registered (each one a device sync), FA4's
-    ``kernels_compiled`` (:func:`doc_packed.kernels.fa4.compiled_kernels`; none after the
-    warm-up is the contract), and the ``agreements`` calls made with their peers before
+    a ``cu_seqlens`` that nothing had registered (each one a device sync), the
+    ``kernels_compiled`` by FA4 (:func:`doc_packed.kernels.fa4.compiled_kernels`) and by the
+    runtime's own Triton kernels (none after the warm-up is the contract), and the ``agreements`` calls made with their peers before
     exchanging, with the microseconds they took (``agreement_us``: a rank whose peers are late
     waits there)."""
     built, in_calls = attention.schedules_built()
@@ -114,7 +114,7 @@ def runtime_counts() -> dict[str, int]:
         "schedules": built,
         "schedules_in_calls": in_calls,
         "device_reads": _doc_layout.device_reads(),
-        "kernels_compiled": fa4.compiled_kernels(),
+        "kernels_compiled": fa4.compiled_kernels() + _triton.compiled_variants(),
         "agreements": agreed,
         "agreement_us": agreed_us,
     }
