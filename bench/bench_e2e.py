@@ -55,8 +55,10 @@ import contextlib
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -697,6 +699,8 @@ def worker(rank, world, port, args):
         anchor = plain_anchor(spec, attns, args.seq, args.mean_doc, device, dtype, train, args.steps, args.warmup)
         print(json.dumps(dict(anchor=anchor)), flush=True)
     dist.barrier()
+    # a side group for agreeing after a failed mode: the default one may be the failed mode's NCCL
+    side = dist.new_group(backend="gloo")
     rows = []
     for mode in args.modes.split(","):
         try:
@@ -720,10 +724,15 @@ def worker(rank, world, port, args):
                 profile_dir=args.profile,
                 stall_dump=args.stall_dump,
             )
-        except Exception as e:  # report and go on with the next mode
+        except Exception as e:  # report on every rank; go on with the next mode if every rank failed
             import traceback
 
             r = dict(mode=mode, error=f"{type(e).__name__}: {e}"[:2000], tb=traceback.format_exc()[-3000:])
+            print(f"[rank {rank}] mode {mode} failed: {r['error']}\n{r['tb']}", file=sys.stderr, flush=True)
+            try:  # a rank still inside the mode (waiting in a collective for this one) never comes
+                dist.monitored_barrier(group=side, timeout=timedelta(seconds=120))
+            except RuntimeError:
+                raise e from None  # the run ends here (the launcher kills the rank that waits)
         if rank == 0:
             print(json.dumps(r), flush=True)
         rows.append(r)
