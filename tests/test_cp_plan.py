@@ -300,3 +300,18 @@ def test_plan_context_parallel_reads_the_tolerance_the_runtime_reads(monkeypatch
     plan = dp.plan_context_parallel(cu, 4, num_heads=(16, 4))
     assert plan.tolerance == 0.2
     assert plan is cp_plan.runtime_plan(get_layout(cu, S), 4, True, -1, 0, 4.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), S=st.integers(1, 300), c=st.integers(1, 8))
+def test_owned_parts_are_the_shard_intersection(data, S, c):
+    """schedule._owned_by (each range cut to one shard) is _parts' split kept for that owner."""
+    from doc_packed.cp.plan import chunk_len
+    from doc_packed.cp.schedule import _owned_by, _parts
+
+    cs = chunk_len(S, c)
+    starts = data.draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, S - 1)), max_size=6))
+    ranges = [(b, s, data.draw(st.integers(s + 1, S))) for b, s in starts]
+    for r in range(c):
+        split = [(b, s, e) for b, s0, e0 in ranges for o, s, e in _parts(b, s0, e0, cs, S) if o == r]
+        assert _owned_by(ranges, r, cs, S) == split

@@ -399,8 +399,10 @@ _Parts = list[list[tuple[int, int, int]]]  # per peer rank: (row, start, end) ru
 
 
 def _owned_by(ranges, rank: int, cs: int, S: int) -> list[tuple[int, int, int]]:
-    """The parts of ``(row, start, end)`` ranges that ``rank``'s shard holds."""
-    return [(b, s, e) for b, s0, e0 in ranges for o, s, e in _parts(b, s0, e0, cs, S) if o == rank]
+    """The parts of ``(row, start, end)`` ranges that ``rank``'s shard holds (each range's
+    intersection with the shard: what :func:`_parts` gives for this owner, without splitting)."""
+    lo, hi = rank * cs, min((rank + 1) * cs, S)
+    return [(b, max(s, lo), min(e, hi)) for b, s, e in ranges if s < hi and e > lo]
 
 
 def _by_owner(ranges, rank: int, c: int, cs: int, S: int) -> tuple[_Parts, list[int]]:
