@@ -105,9 +105,9 @@ def runtime_counts() -> dict[str, int]:
     (those an attention call had to build: its layout was not prepared), ``device_reads`` of
     a ``cu_seqlens`` that nothing had registered (each one a device sync), the
     ``kernels_compiled`` by FA4 (:func:`doc_packed.kernels.fa4.compiled_kernels`) and by the
-    runtime's own Triton kernels (none after the warm-up is the contract), and the ``agreements`` calls made with their peers before
-    exchanging, with the microseconds they took (``agreement_us``: a rank whose peers are late
-    waits there)."""
+    runtime's own Triton kernels (none after the warm-up is the contract), and the
+    ``agreements`` calls made with their peers before exchanging, with the microseconds they
+    took (``agreement_us``: a rank whose peers are late waits there)."""
     built, in_calls = attention.schedules_built()
     agreed, agreed_us = comm.agreements()
     return {
