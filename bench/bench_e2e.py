@@ -578,6 +578,13 @@ def _profile_steps(step, device, out_dir, mode) -> None:
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     ops_dev = prof.key_averages().table(sort_by=sort, row_limit=25) if device.type == "cuda" else ""
+    # each attention call of the step in order, host ms: the first of a step (a new layout) against the others
+    calls = [
+        (e.name.split("::")[-1], e.cpu_time_total / 1e3)
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+        if e.name in ("doc_packed::attn_fwd", "doc_packed::attn_bwd")
+    ]
+    ops += "\nattention calls in order, host ms each: " + ", ".join(f"{n} {ms:.2f}" for n, ms in calls) + "\n"
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, (host_py, host_op, text.getvalue(), ops, ops_dev))
     if dist.get_rank() == 0:

@@ -95,3 +95,5 @@ def test_dry_run(name, tmp_path):
         text = (tmp_path / "profile_cp.txt").read_text()
         assert text.startswith("host ms to queue") and "1: " in text.splitlines()[0]
         assert "rank 0: cProfile" in text and "doc_packed::attn_fwd" in text
+        calls = text.split("attention calls in order, host ms each: ")[1].splitlines()[0].split(", ")
+        assert [c.split()[0] for c in calls] == ["attn_fwd"] * 2 + ["attn_bwd"] * 2  # the dry run's 2 layers
