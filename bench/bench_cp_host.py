@@ -29,6 +29,12 @@ from bench._harness import add_dry_run, spawn_ranks
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
 
+try:  # trees before prepare(plan=...) have no handed plan to time
+    from doc_packed.cp.plan import query_cost_of
+    from doc_packed.cp.prepared import _check_plan
+except ImportError:
+    _check_plan = None
+
 CASES = ((4, 32768), (1, 131072))  # (rows, S): the issue's 4 x 32k and 1 x 128k, CP over --ranks
 HQ, HKV = 16, 4
 
@@ -44,12 +50,9 @@ def _handed(layout, plan_bytes, world, rank, device):
     """What ``prepare(..., plan=...)`` leaves to the rank when a DataLoader worker made the plan
     (``plan_context_parallel`` on lists) and sent it pickled: unpickle, check it against the
     layout, build this rank's schedule from it (its indices queued), the agreement's tag."""
-    from doc_packed.cp import prepared
-    from doc_packed.cp.plan import query_cost_of
-
     plan = pickle.loads(plan_bytes)
     qc = query_cost_of((HQ, HKV), None)
-    prepared._check_plan(plan, layout, world, True, (-1, 0), qc)
+    _check_plan(plan, layout, world, True, (-1, 0), qc)
     attention.install_schedule(layout, attention.ScheduleKey(world, rank, True, -1, 0, qc, device), plan)
 
 
@@ -57,7 +60,7 @@ def rank_main(rank, world, port, args, barrier):
     device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     launched = torch.get_num_threads()
     # (threads, plan made by the rank or handed): launched, one thread, and a worker's plan handed over
-    variants = ((launched, False), (1, False)) + (((launched, True),) if hasattr(attention, "install_schedule") else ())
+    variants = ((launched, False), (1, False)) + (((launched, True),) if _check_plan is not None else ())
     rows = []
     for B, S in (CASES[:1] if args.dry_run else CASES):
         times: list[list[float]] = [[] for _ in variants]

@@ -70,19 +70,22 @@ from doc_packed.data import lognormal_lengths
 from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
 
 
+def _solved(placement, nodes):
+    """The solver's placements of ``nodes`` (descriptor -> (node, its grad or tangent)), in order."""
+    return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
+
+
 def solved_input_placements(autop, placement):
     from torch._functorch._aot_autograd.fx_utils import get_plain_input_and_grad_nodes
 
-    nodes = get_plain_input_and_grad_nodes(autop.gm.graph)
-    return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
+    return _solved(placement, get_plain_input_and_grad_nodes(autop.gm.graph))
 
 
 def solved_output_placements(autop, placement):
     """The solver's placements of the placed module's outputs (the logits first)."""
     from torch._functorch._aot_autograd.fx_utils import get_plain_output_and_tangent_nodes
 
-    nodes = get_plain_output_and_tangent_nodes(autop.gm.graph)
-    return [tuple(placement[nodes[d][0]].output_specs.placements) for d in sorted(nodes, key=lambda d: d.idx)]
+    return _solved(placement, get_plain_output_and_tangent_nodes(autop.gm.graph))
 
 
 class _SumOverGroup(torch.autograd.Function):
