@@ -528,9 +528,11 @@ def run_mode(
 
 @contextlib.contextmanager
 def _stall_dumps(after_s: float, out_dir, mode: str, label: str):
-    """Where this rank's host is when a step has run ``after_s`` seconds and every ``after_s``
-    after (faulthandler: every thread's Python stack, taken without the GIL), appended to
-    ``out_dir/stalls_<mode>_rank<r>.txt``; nothing when ``after_s`` is 0."""
+    """Where this rank's host is when a step has run ``after_s`` seconds (faulthandler: every
+    thread's Python stack, taken without the GIL), appended to ``out_dir/stalls_<mode>_rank<r>.txt``;
+    nothing when ``after_s`` is 0. Once per step: reading running threads' frames unlocked can
+    crash the process, and repeated dumps (every ``after_s``) preceded two silent rank deaths on
+    4 x H200 (docs/end_to_end.md); a diagnostic, not for measured runs."""
     if not after_s or not out_dir:
         yield
         return
@@ -540,7 +542,7 @@ def _stall_dumps(after_s: float, out_dir, mode: str, label: str):
     with open(os.path.join(out_dir, f"stalls_{mode}_rank{dist.get_rank()}.txt"), "a") as f:
         f.write(f"=== {label}\n")
         f.flush()
-        faulthandler.dump_traceback_later(after_s, repeat=True, file=f)
+        faulthandler.dump_traceback_later(after_s, repeat=False, file=f)
         try:
             yield
         finally:
@@ -929,8 +931,9 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="with --profile: each timed step still queuing after SECONDS (and every SECONDS after) "
-        "writes every thread's Python stack to DIR/stalls_<mode>_rank<r>.txt",
+        help="with --profile: each timed step still queuing after SECONDS writes every thread's "
+        "Python stack to DIR/stalls_<mode>_rank<r>.txt (a diagnostic: the unlocked stack walk can "
+        "crash a rank)",
     )
     add_dry_run(ap, "gloo ranks on CPU, float32, the models' tiny shape (pass small sizes too: --seq 256 ...)")
     args = ap.parse_args(argv)

@@ -98,3 +98,22 @@ def check_partials(dtype, case, device, H=2, D=4):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     else:  # one rounding of a float32 sum: the nearest bf16 or its neighbour
         torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=0)
+
+
+def test_runtime_kernels_specialize_no_runtime_argument():
+    """The CUDA merge and partial-sum kernels take per-layout slices, counts and strides: none of
+    their runtime arguments may be specialized on value or pointer alignment (a new combination
+    is a Triton compile inside a training step; a hand-kept list once missed a stride)."""
+    triton = pytest.importorskip("triton", reason="Triton is not installed (the kernels are CUDA-only)")
+    import inspect
+
+    from doc_packed.cp import lse_merge, partials
+
+    alignment = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+    for kernel in (lse_merge._kernel(), partials._kernel()):
+        runtime = [p for p in kernel.params if not p.is_constexpr]
+        assert len(runtime) >= 8, kernel
+        for p in runtime:
+            assert p.do_not_specialize, f"{kernel}: {p.name} is specialized on its value"
+            if alignment:
+                assert p.do_not_specialize_on_alignment, f"{kernel}: {p.name} is specialized on its alignment"

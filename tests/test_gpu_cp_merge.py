@@ -99,6 +99,16 @@ def test_runtime_kernels_compile_once_for_every_layout():
         o, ob = (torch.randn(n + 8, H, D, device="cuda", dtype=dtype)[off : off + n] for _ in range(2))
         lse, lseb = (torch.randn(H, n + 9, device="cuda")[:, off : off + n] for _ in range(2))
         lse_merge.merge_(o, lse, ob, lseb)
+        # the other layouts a kernel's buffers come in: heads-major out (stride D between rows,
+        # n * D between heads), rows-major lse (stride H between rows), single rows
+        o_t = torch.randn(H, n + off, D, device="cuda", dtype=dtype)[:, off:].transpose(0, 1)
+        lse_t = torch.randn(n + off, H, device="cuda")[off:].t()
+        want_o, want_l = o_t.clone(), lse_t.clone()
+        lse_merge._torch_merge(want_o, want_l, ob, lseb)
+        lse_merge.merge_(o_t, lse_t, ob, lseb)
+        torch.testing.assert_close(lse_t, want_l)  # strided buffers merged as the torch ops do
+        torch.testing.assert_close(o_t, want_o, atol=1e-2, rtol=1e-2)
+        lse_merge.merge_(o, lse, o_t, lse_t)
 
     def add(g, k, r0, n):
         dk, dv = torch.zeros(2, 70, 2, D, device="cuda", dtype=dtype)
@@ -109,8 +119,8 @@ def test_runtime_kernels_compile_once_for_every_layout():
     add(0, 1, 0, 16)
     first = _triton.compiled_variants()
     assert first >= 2, "the Triton merge and partial sums did not run"
-    for n in (1, 2, 15, 16, 17, 33, 64):
-        for off in (0, 1, 2, 3, 5):
+    for n in (1, 2, 3, 15, 16, 17, 33, 64):
+        for off in (0, 1, 2, 3, 5, 16):
             merge(n, off)
             add(off, 1 + off % 3, 7 * off, n)
     torch.cuda.synchronize()

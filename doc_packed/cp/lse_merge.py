@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ._triton import jit_once, track
+from ._triton import jit_once
 
 __all__ = ["merge_"]
 
@@ -48,17 +48,35 @@ def _torch_merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_
 def _triton_merge():
     """The Triton merge, or None where Triton cannot be imported (CPU builds of torch) or the GPU
     is older than compute capability 8.0."""
+    kernel = _kernel()
+    if kernel is None or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None  # Triton's supported GPUs; older ones take the torch ops
+    import triton
+
+    def run(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+        n, H, D = out.shape
+        block_r = 16
+        kernel[(triton.cdiv(n, block_r), H)](
+            out, lse, out_b, lse_b, n, D,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
+            BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D),
+        )  # fmt: skip
+
+    return run
+
+
+@functools.cache
+def _kernel():
+    """The merge's Triton kernel (defined without a GPU), or None without Triton."""
     try:
-        import triton
         import triton.language as tl
     except ImportError:
         return None
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
-        return None  # Triton's supported GPUs; older ones take the torch ops
 
     # one compile for every layout: the rows, their strides and the slices' pointers all vary
-    @triton.jit(**jit_once("o_ptr", "l_ptr", "ob_ptr", "lb_ptr", "n", "so_r", "sl_h", "sob_r", "slb_h"))
-    def _kernel(
+    @jit_once
+    def kernel(
         o_ptr, l_ptr, ob_ptr, lb_ptr, n, D,
         so_r, so_h, sl_h, sl_r, sob_r, sob_h, slb_h, slb_r,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -85,16 +103,4 @@ def _triton_merge():
         tl.store(o_ptr + r[:, None] * so_r + h * so_h + d[None, :], res.to(o_ptr.dtype.element_ty), mask=m)
         tl.store(l_ptr + h * sl_h + r * sl_r, lse.to(l_ptr.dtype.element_ty), mask=rm)
 
-    track(_kernel)
-
-    def run(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-        n, H, D = out.shape
-        block_r = 16
-        _kernel[(triton.cdiv(n, block_r), H)](
-            out, lse, out_b, lse_b, n, D,
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
-            BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D),
-        )  # fmt: skip
-
-    return run
+    return kernel

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
-from ._triton import jit_once, track
+from ._triton import jit_once
 
 __all__ = ["add_partials_"]
 
@@ -52,16 +52,30 @@ def _torch_partials(dk, dv, back, sums) -> None:
 def _triton_partials():
     """The Triton sum-and-add of one interval, or None where Triton cannot be imported (CPU builds
     of torch) or the GPU is older than compute capability 8.0."""
+    kernel = _kernel()
+    if kernel is None or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None  # Triton's supported GPUs; older ones take the torch ops
+    import triton
+
+    def run(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, g: int, k: int, r0: int, n: int) -> None:
+        W = dk[0].numel()
+        block_r, block_w = 8, min(triton.next_power_of_2(W), 512)
+        grid = (triton.cdiv(n, block_r), triton.cdiv(W, block_w))
+        kernel[grid](dk, dv, back, g, k, r0, n, W, BLOCK_R=block_r, BLOCK_W=block_w)
+
+    return run
+
+
+@functools.cache
+def _kernel():
+    """The sum-and-add's Triton kernel (defined without a GPU), or None without Triton."""
     try:
-        import triton
         import triton.language as tl
     except ImportError:
         return None
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
-        return None  # Triton's supported GPUs; older ones take the torch ops
 
-    @triton.jit(**jit_once("dk_ptr", "dv_ptr", "back_ptr", "g", "k", "r0", "n"))  # one compile for every layout
-    def _kernel(dk_ptr, dv_ptr, back_ptr, g, k, r0, n, W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    @jit_once  # one compile for every layout
+    def kernel(dk_ptr, dv_ptr, back_ptr, g, k, r0, n, W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         m = (r < n)[:, None] & (w < W)[None, :]
@@ -77,12 +91,4 @@ def _triton_partials():
         tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=m)
         tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=m)
 
-    track(_kernel)
-
-    def run(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, g: int, k: int, r0: int, n: int) -> None:
-        W = dk[0].numel()
-        block_r, block_w = 8, min(triton.next_power_of_2(W), 512)
-        grid = (triton.cdiv(n, block_r), triton.cdiv(W, block_w))
-        _kernel[grid](dk, dv, back, g, k, r0, n, W, BLOCK_R=block_r, BLOCK_W=block_w)
-
-    return run
+    return kernel
