@@ -96,8 +96,8 @@ def test_runtime_kernels_compile_once_for_every_layout():
     H, D, dtype = 4, 128, torch.bfloat16
 
     def merge(n, off):
-        o, ob = (torch.randn(n + 8, H, D, device="cuda", dtype=dtype)[off : off + n] for _ in range(2))
-        lse, lseb = (torch.randn(H, n + 9, device="cuda")[:, off : off + n] for _ in range(2))
+        o, ob = (torch.randn(n + off + 8, H, D, device="cuda", dtype=dtype)[off : off + n] for _ in range(2))
+        lse, lseb = (torch.randn(H, n + off + 9, device="cuda")[:, off : off + n] for _ in range(2))
         lse_merge.merge_(o, lse, ob, lseb)
         # the other layouts a kernel's buffers come in: heads-major out (stride D between rows,
         # n * D between heads), rows-major lse (stride H between rows), single rows
@@ -125,3 +125,35 @@ def test_runtime_kernels_compile_once_for_every_layout():
             add(off, 1 + off % 3, 7 * off, n)
     torch.cuda.synchronize()
     assert _triton.compiled_variants() == first
+
+
+def test_cp_warmup_compiles_the_runtime_kernels():
+    """The first context-parallel call's warm-up compiles the merge and the partial sums for its
+    dtype and head shape, so a rank whose first layouts need neither does not compile them inside
+    a later step (rank 0's first merge came at its fifth layout on 4 x H200: a 0.8 s stall). In a
+    fresh process: a variant is per dtype and block sizes, which other tests here compile too."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from doc_packed.cp import _triton, lse_merge, partials
+from doc_packed.cp.warmup import warmup
+Hq, Hkv, D, dtype = 6, 3, 96, torch.float16
+q = torch.zeros(1, 4, Hq, D, device="cuda", dtype=dtype)
+k = torch.zeros(1, 4, Hkv, D, device="cuda", dtype=dtype)
+assert _triton.compiled_variants() == 0
+warmup(q, k, k, True, -1, 0, "math")  # a backend with nothing of its own to build
+assert _triton.compiled_variants() == 2, _triton.compiled_variants()
+for n, off in ((1, 0), (37, 3), (300, 17)):
+    o = torch.randn(n + off, Hq, D, device="cuda", dtype=dtype)[off:]
+    lse = torch.randn(Hq, n + off, device="cuda")[:, off:]
+    lse_merge.merge_(o, lse, torch.randn_like(o), torch.randn_like(lse))
+    dk, dv = torch.zeros(2, 400, Hkv, D, device="cuda", dtype=dtype)
+    back = torch.randn(off + 2 * n, 2, Hkv, D, device="cuda", dtype=dtype)
+    partials.add_partials_(dk, dv, back, [(off, 2, off, n)])
+torch.cuda.synchronize()
+assert _triton.compiled_variants() == 2, _triton.compiled_variants()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -8,6 +8,12 @@ the attention's mask alone (:func:`~.schedule.call_masks`), so the first context
 per device, dtype, head dims, head ratio, mask and softcap runs each kind once on tiny inputs,
 forward and backward, and no later layout compiles anything. Backends without a compiler
 (flash, math) skip it.
+
+The runtime's own Triton kernels (the lse merge and the partial dK/dV sums) compile once per
+dtype and head shape (``_triton.jit_once``), but only when a schedule first needs them, and a
+rank's first layouts may need neither: on 4 x H200 rank 0's first merge came at the fifth
+layout, a 0.8 s compile inside a timed step. They are run once here too, on CUDA, whatever the
+attention backend.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import torch
 from .. import kernels
 from ..kernels import VarlenSpec
 from ..kernels.fa4 import MANY_SEGMENTS
+from .lse_merge import merge_
+from .partials import add_partials_
 from .schedule import call_masks
 
 __all__ = ["warm_specs", "warmup"]
@@ -54,6 +62,8 @@ def warmup(
     if key in _done:
         return 0
     _done.add(key)
+    if q.is_cuda:
+        _warm_reductions(q, k, v)
     specs = warm_specs(causal, left, right)
     qs = q.new_zeros((2, Hq, D))
     if kernels.choose(backend, specs[0], qs, Hkv, kernels.Variant.of(q, v, softcap)) != "fa4":
@@ -70,3 +80,15 @@ def warmup(
             kernels.backward(spec, torch.randn_like(out), qt, kt, vt, out, lse, scale, backend, softcap)
             made += 2
     return made
+
+
+def _warm_reductions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Run the merge (forward's output rows) and the partial sums (backward's dK/dV) once on
+    two rows of the call's dtypes and head shapes: their one compile happens here."""
+    Hq, Hkv, D, Dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    out, out_b = (q.new_zeros((2, Hq, Dv)) for _ in range(2))
+    lse, lse_b = (torch.zeros((Hq, 2), dtype=kernels.lse_dtype(q.dtype), device=q.device) for _ in range(2))
+    merge_(out, lse, out_b, lse_b)
+    if Dv == D and v.dtype == k.dtype:  # the partials travel stacked ([rows, 2, H_kv, D])
+        dk, dv = k.new_zeros((2, Hkv, D)), v.new_zeros((2, Hkv, Dv))
+        add_partials_(dk, dv, k.new_zeros((2, 2, Hkv, D)), [(0, 1, 0, 2)])
