@@ -33,9 +33,21 @@ def test_plan_context_parallel_is_the_runtime_plan_and_a_value():
         dp.plan_context_parallel(cu, 4, num_heads=(6, 4))
 
 
-def test_schedule_host_work_runs_no_torch_compute():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")],
+        ),
+    ],
+)
+def test_schedule_host_work_runs_no_torch_compute(device):
     """Building a layout's plan and schedule dispatches no torch op but views of its one index
-    copy: nothing that could fan out over the intra-op thread pool."""
+    copy: nothing that could fan out over the intra-op thread pool. On CUDA the copy goes from
+    pinned memory that NumPy fills (``Tensor.pin_memory()``'s own copy is a torch CPU op that
+    spreads over the pool above 32768 elements)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = set()
@@ -50,10 +62,13 @@ def test_schedule_host_work_runs_no_torch_compute():
     with Ops():
         layout = get_layout(cu, S)
         for r in range(4):
-            sch = attention.schedule_for(layout, (4, r, True, -1, 0, 4.0, torch.device("cpu")))
+            sch = attention.schedule_for(layout, (4, r, True, -1, 0, 4.0, torch.device(device)))
             assert sch.stage_b  # a real schedule: keys and queries move
         attention.layout_tag(layout)
-    assert seen <= {"aten::slice.Tensor", "aten::detach", "aten::lift_fresh", "aten::_to_copy", "aten::alias"}, seen
+    allowed = {"aten::slice.Tensor", "aten::detach", "aten::lift_fresh", "aten::_to_copy", "aten::alias"}
+    if device == "cuda":
+        allowed.add("aten::empty.memory_format")  # the pinned buffer NumPy fills
+    assert seen <= allowed, seen
 
 
 @pytest.mark.slow

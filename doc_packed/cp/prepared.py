@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import _doc_layout
 from ..kernels import fa4
 from .._checks import check_cu_seqlens, check_window
+from .._host import queue_to
 from . import _triton, attention, comm
 from .plan import ContextParallelPlan, query_cost_of
 
@@ -75,7 +76,7 @@ def prepare(
         raise ValueError("plan and num_heads are for context parallelism: pass cp_group too")
     if host.device.type != "cpu" or dev.type == "cpu":
         return cu
-    moved = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    moved = queue_to(host.contiguous(), dev)
     _doc_layout.register(moved, host, seq_len)
     return moved
 

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .._host import queue_to
 from ..kernels import VarlenSpec
 from .plan import ContextParallelPlan, chunk_len
 
@@ -218,10 +219,8 @@ class _Indices:
 
     def to(self, device: torch.device) -> None:
         for dtype, parts in self.parts.items():
-            host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=_NP[dtype]))
-            if device.type == "cuda":  # pinned: the copy is queued, the host never waits for it
-                host = host.pin_memory()
-            self.flat[dtype] = host.to(device, non_blocking=True)
+            arr = np.concatenate(parts) if parts else np.zeros(0, dtype=_NP[dtype])
+            self.flat[dtype] = queue_to(arr, device)  # (never waits for the device)
 
     def get(self, slot: int) -> torch.Tensor:
         dtype, start, n = self.slots[slot]

@@ -18,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from .._host import queue_to
 
 
 class Variant(NamedTuple):
@@ -105,10 +108,7 @@ class VarlenSpec:
         memory on CUDA (a plain copy would wait for the device's queue: a sync per new layout)."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            host = torch.tensor(self.cu_q + self.cu_k, dtype=torch.int32)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            both = host.to(device, non_blocking=True)
+            both = queue_to(np.asarray(self.cu_q + self.cu_k, dtype=np.int32), device)
             return both[: len(self.cu_q)], both[len(self.cu_q) :]
 
         return self.cached(("cu", device), build)
