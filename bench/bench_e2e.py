@@ -467,7 +467,8 @@ def run_mode(
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
-        dist.all_gather_object(every, (host, pauses, compiled, list(phases)))
+        counts = {k: after[k] - before[k] for k in after}
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -490,7 +491,10 @@ def run_mode(
             host_phases=[[r[3][k] for r in every] for k in range(steps)],
             loss=float(loss.detach()),
             doc_loss=doc_loss_stats(per_doc.cpu()),
-            host={k: after[k] - before[k] for k in after},
+            host=counts,
+            # per rank: mean host ms of a CP forward/backward call, the first of its pass on a
+            # layout and the later layers' (issue item 2: the first should cost what the others do)
+            call_host_ms=[_call_ms(r[4]) for r in every],
         )
     if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
         torch.set_num_threads(thread_settings[0][0])
@@ -524,6 +528,17 @@ def run_mode(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _call_ms(counts: dict) -> tuple[float | None, float | None]:
+    """Mean host ms of a context-parallel call, the first of its pass on a layout and the others,
+    from a ``runtime_counts()`` difference (None where there was no such call)."""
+
+    def mean(calls: str, us: str) -> float | None:
+        n = counts.get(calls, 0)
+        return counts[us] / n / 1e3 if n else None
+
+    return mean("first_calls", "first_call_us"), mean("other_calls", "other_call_us")
 
 
 @contextlib.contextmanager
@@ -814,6 +829,15 @@ def worker(rank, world, port, args):
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
                 )
                 print("    FA4 kernels compiled (most on a rank) " + " ".join(map(str, t["kernels_compiled_max"])))
+                if any(first is not None for first, _ in t.get("call_host_ms", [])):
+                    print(
+                        "    host ms per attention call, first of its pass on a layout / later layers, per rank: "
+                        + "; ".join(
+                            f"r{r} {first:.2f} / {other:.2f}"
+                            for r, (first, other) in enumerate(t["call_host_ms"])
+                            if first is not None and other is not None
+                        )
+                    )
                 slowest = sorted(range(len(t["step_times_s"])), key=lambda k: -t["step_times_s"][k])[:3]
                 for k in sorted(slowest):
                     parts = "; ".join(

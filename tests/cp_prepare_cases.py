@@ -97,3 +97,22 @@ def layout_host_ms(rank, world, layouts, S, rounds):
         if i >= 2:
             times[which].append((time.perf_counter() - t0) * 1e3)
     return [(threads, statistics.median(t)) for threads, t in zip(settings, times)]
+
+
+def call_host_times(rank, world):
+    """Three attention layers on each of two prepared layouts: the runtime counts each pass's
+    first call on a layout apart from the later ones (its host time is reported separately)."""
+    S, rng, group = 64, random.Random(11), dist.group.WORLD
+    c0 = cp.runtime_counts()
+    for i in range(2):
+        cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S)], S, max_docs=S)
+        ready = cp.prepare(cu, group, num_heads=(HQ, HKV), device="cpu")
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(1, S // world, HQ, D, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, S // world, HKV, D, generator=g) for _ in range(2))
+        h = x
+        for _ in range(3):  # layers: same layout, same group
+            h = dp.doc_packed_attn(h, k, v, ready, causal=True, cp_group=group)
+        h.sum().backward()
+    c1 = cp.runtime_counts()
+    return {key: c1[key] - c0[key] for key in ("first_calls", "other_calls", "first_call_us", "other_call_us")}

@@ -30,8 +30,8 @@ DRY_RUNS = {
     "bench_agreement": ([], False, True),
     "bench_cp": (["--sizes", "512", "--quick"], False, True),
     "bench_e2e": (
-        ["--gpus", "2", "--seq", "256", "--batch", "2", "--steps", "1", "--warmup", "1", "--modes", "cp",
-         "--threads", "launched", "--no-anchor", "--profile", "{tmp}"],
+        ["--gpus", "2", "--seq", "256", "--batch", "2", "--mean-doc", "48", "--steps", "1", "--warmup", "1",
+         "--modes", "cp", "--threads", "launched", "--no-anchor", "--profile", "{tmp}"],
         True, True,
     ),
     "bench_emulate": (["--seq", "256", "--layouts", "cp", "--docs", "lognormal", "--steps", "1", "--warmup", "1",
@@ -97,3 +97,6 @@ def test_dry_run(name, tmp_path):
         assert "rank 0: cProfile" in text and "doc_packed::attn_fwd" in text
         calls = text.split("attention calls in order, host ms each: ")[1].splitlines()[0].split(", ")
         assert [c.split()[0] for c in calls] == ["attn_fwd"] * 2 + ["attn_bwd"] * 2  # the dry run's 2 layers
+        # the timed step's calls, the first of each pass on its layout apart, on both ranks
+        line = next(x for x in run.stdout.splitlines() if "host ms per attention call, first of its pass" in x)
+        assert "r0 " in line and "r1 " in line, line

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import doc_packed as dp
-from cp_prepare_cases import disagreeing_plans, layout_host_ms, prepared
+from cp_prepare_cases import call_host_times, disagreeing_plans, layout_host_ms, prepared
 from doc_packed import cp, kernels
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
@@ -78,6 +78,14 @@ def test_per_layout_host_time_does_not_depend_on_threads(run_ranks):
     results = run_ranks(layout_host_ms, 4, 4, 32768, 12)
     for rank, ((threads, default_ms), (_, one_ms)) in enumerate(results):
         assert default_ms <= 1.5 * one_ms + 2.0, f"rank {rank}: {default_ms:.2f} ms at {threads} threads, {one_ms:.2f} at 1"
+
+
+def test_first_call_of_a_layout_is_timed_apart(run_ranks):
+    """runtime_counts splits the forward and backward calls' host time: the first of each pass
+    on a layout (where a new layout's costs land) against the later layers' calls."""
+    for rank, got in enumerate(run_ranks(call_host_times, 2)):
+        assert (got["first_calls"], got["other_calls"]) == (4, 8), (rank, got)  # 2 layouts x 2 passes; x 2 more layers
+        assert got["first_call_us"] > 0 and got["other_call_us"] > 0, (rank, got)
 
 
 @pytest.mark.slow

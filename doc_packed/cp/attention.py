@@ -20,6 +20,8 @@ move; backward 2 (out and home).
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import NamedTuple
 
 import torch
@@ -38,6 +40,7 @@ from .warmup import warmup
 __all__ = [
     "ScheduleKey",
     "backward",
+    "call_host_times",
     "forward",
     "get_schedule",
     "install_schedule",
@@ -195,6 +198,38 @@ def schedules_built() -> tuple[int, int]:
     """How many plans-and-schedules this process made, and how many of them inside an attention
     call (nothing prepared them; :func:`doc_packed.cp.runtime_counts`)."""
     return _COUNTS["schedules"], _COUNTS["in_calls"]
+
+
+# host nanoseconds of the forward and backward calls, split by whether the call was the first of
+# its pass on its layout and group (a new layout's costs land there) or a later one
+_CALL_NS = {"first": [0, 0], "other": [0, 0]}  # [calls, ns]
+
+
+def call_host_times() -> dict[str, tuple[int, int]]:
+    """``{"first": (calls, us), "other": (calls, us)}``: host time inside this process's
+    context-parallel forward and backward calls (queuing, agreement waits included), the first
+    call of each pass on a layout against the later ones (:func:`doc_packed.cp.runtime_counts`)."""
+    return {k: (n, ns // 1000) for k, (n, ns) in _CALL_NS.items()}
+
+
+def _host_timed(fn):
+    """Count ``fn``'s (forward's or backward's) host time in :data:`_CALL_NS`."""
+
+    @functools.wraps(fn)
+    def timed(*args):
+        t0 = time.perf_counter_ns()
+        result = fn(*args)
+        op: OpCall = args[-1]
+        fresh: list[bool] = []  # the layout is found without a read: the call looked it up
+        get_layout(op.cu_seqlens, op.seq_len).derived(
+            ("cp_called", op.cp_group, fn.__name__), lambda: fresh.append(True)
+        )
+        slot = _CALL_NS["first" if fresh else "other"]
+        slot[0] += 1
+        slot[1] += time.perf_counter_ns() - t0
+        return result
+
+    return timed
 
 
 def _check_backend(
@@ -383,6 +418,7 @@ def _call_schedule(q: torch.Tensor, k: torch.Tensor, op: OpCall, pass_: str) -> 
     )
 
 
+@_host_timed
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: OpCall) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries (``op.cp_group`` holds the other chunks); sinks
     are the caller's (:func:`doc_packed.ops.add_sinks`, after the merge)."""
@@ -488,6 +524,7 @@ def _grads_home(sch: RankSchedule, grads: _Grads, group_name: str) -> tuple[torc
     return dq, dk, dv
 
 
+@_host_timed
 def backward(dout, q, k, v, out, lse, op: OpCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this rank's chunk: partial dK/dV of received keys are summed home."""
     sch = _call_schedule(q, k, op, "backward")

@@ -108,9 +108,13 @@ def runtime_counts() -> dict[str, int]:
     ``kernels_compiled`` by FA4 (:func:`doc_packed.kernels.fa4.compiled_kernels`) and by the
     runtime's own Triton kernels (none after the warm-up is the contract), and the
     ``agreements`` calls made with their peers before exchanging, with the microseconds they
-    took (``agreement_us``: a rank whose peers are late waits there)."""
+    took (``agreement_us``: a rank whose peers are late waits there), and the host time of the
+    forward and backward calls: ``first_calls``/``first_call_us`` for the first call of each
+    pass on a layout, ``other_calls``/``other_call_us`` for the rest (a prepared layout's first
+    call should cost what the others do)."""
     built, in_calls = attention.schedules_built()
     agreed, agreed_us = comm.agreements()
+    times = attention.call_host_times()
     return {
         "schedules": built,
         "schedules_in_calls": in_calls,
@@ -118,6 +122,10 @@ def runtime_counts() -> dict[str, int]:
         "kernels_compiled": fa4.compiled_kernels() + _triton.compiled_variants(),
         "agreements": agreed,
         "agreement_us": agreed_us,
+        "first_calls": times["first"][0],
+        "first_call_us": times["first"][1],
+        "other_calls": times["other"][0],
+        "other_call_us": times["other"][1],
     }
 
 
