@@ -24,14 +24,14 @@ def jit_once(fn: Any) -> Any:
     is newer than ``do_not_specialize``); the kernel is tracked by :func:`compiled_variants`."""
     import triton
 
-    runtime = unspecialized_names(triton.jit(fn))
+    runtime = runtime_params(triton.jit(fn))
     kw: dict[str, Any] = {"do_not_specialize": runtime}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         kw["do_not_specialize_on_alignment"] = runtime
     return track(triton.jit(fn, **kw))
 
 
-def unspecialized_names(kernel: Any) -> list[str]:
+def runtime_params(kernel: Any) -> list[str]:
     """The runtime (non-``constexpr``) parameters of a ``triton.jit`` kernel, by name."""
     return [p.name for p in kernel.params if not p.is_constexpr]
 
