@@ -30,6 +30,7 @@ from .schedule import call_masks
 __all__ = ["warm_specs", "warmup"]
 
 _done: set[tuple] = set()
+_reduced: set[tuple] = set()  # (device, dtypes, head counts, dims) the runtime's reductions ran for
 
 
 def warm_specs(causal: bool, left: int, right: int) -> list[VarlenSpec]:
@@ -58,12 +59,12 @@ def warmup(
     counts and dims are read). Returns the kernel calls it made (0: done before, or a backend
     that compiles nothing)."""
     Hq, Hkv, D, Dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    if q.is_cuda:
+        _warm_reductions(q, k, v)
     key = (q.device, q.dtype, Hq // Hkv, D, Dv, causal, left, right, backend, softcap)
     if key in _done:
         return 0
     _done.add(key)
-    if q.is_cuda:
-        _warm_reductions(q, k, v)
     specs = warm_specs(causal, left, right)
     qs = q.new_zeros((2, Hq, D))
     if kernels.choose(backend, specs[0], qs, Hkv, kernels.Variant.of(q, v, softcap)) != "fa4":
@@ -84,8 +85,13 @@ def warmup(
 
 def _warm_reductions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Run the merge (forward's output rows) and the partial sums (backward's dK/dV) once on
-    two rows of the call's dtypes and head shapes: their one compile happens here."""
+    two rows of the call's dtypes and head shapes (their block sizes follow the head counts and
+    dims), once per process: their one compile happens here."""
     Hq, Hkv, D, Dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    key = (q.device, q.dtype, k.dtype, v.dtype, Hq, Hkv, D, Dv)
+    if key in _reduced:
+        return
+    _reduced.add(key)
     out, out_b = (q.new_zeros((2, Hq, Dv)) for _ in range(2))
     lse, lse_b = (torch.zeros((Hq, 2), dtype=kernels.lse_dtype(q.dtype), device=q.device) for _ in range(2))
     merge_(out, lse, out_b, lse_b)
