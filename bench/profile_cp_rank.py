@@ -114,15 +114,15 @@ def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
 
     dev = emu.DEVICE
     lq, lk, lv, ld = (t.chunk(c, dim=1)[rank].contiguous() for t in (q, k, v, dout))
-    op_args = (cu, S, True, -1, 0, scale, "auto", emu.GROUP)
+    call = Call(cu, S, True, -1, 0, scale, "auto", emu.GROUP)
 
     def through(entry):
         def run():
             qq, kk, vv = (t.detach().requires_grad_() for t in (lq, lk, lv))
             if entry == "eager":
-                out, _ = _eager.attention(qq, kk, vv, *op_args, 0, None)
+                out, _ = _eager.attention(qq, kk, vv, call)
             else:
-                out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, *op_args)
+                out, _ = torch.ops.doc_packed.attn_fwd(qq, kk, vv, *call)
             torch.autograd.backward(out, ld)
 
         return run
@@ -134,18 +134,21 @@ def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
         for _ in range(3):
             fn()
         wall, ev, host = [], [], []
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cuda = torch.device(dev).type == "cuda"
+        a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
         for _ in range(args.iters):
             sync(dev)
             t0 = time.perf_counter()
-            a.record()
+            if a is not None:
+                a.record()
             fn()
             t1 = time.perf_counter()
-            b.record()
+            if b is not None:
+                b.record()
             sync(dev)
             wall.append((time.perf_counter() - t0) * 1e3)
             host.append((t1 - t0) * 1e3)
-            ev.append(a.elapsed_time(b))
+            ev.append(a.elapsed_time(b) if a is not None else float("nan"))
         med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
         print(f"| {name} | {med(wall):.2f} | {med(ev):.2f} | {med(host):.2f} |")
     for name, fn in modes.items():
