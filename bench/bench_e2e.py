@@ -445,6 +445,7 @@ def run_mode(
         host: list[float] = []  # host seconds each step took to queue
         pauses: list[tuple[float, int]] = []
         compiled: list[int] = []  # FA4 kernels compiled during each step (0 after the warm-up)
+        allocs: list[dict] = []  # the CUDA and pinned allocators' calls during each step
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
             gc.collect()
             gc.freeze()
@@ -453,11 +454,12 @@ def run_mode(
         with _GcPauses() as seen:
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
-                h0, k0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"]
+                h0, k0, m0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"], _alloc_counts(device)
                 with _stall_dumps(stall_dump, profile_dir, mode, f"{threads} threads, timed step {i - warmup}"):
                     loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
                 compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
+                allocs.append({key: n - m0[key] for key, n in _alloc_counts(device).items()})
                 pauses.append(seen.take())
             marks.append(_mark(device))
         if device.type == "cuda":
@@ -468,7 +470,7 @@ def run_mode(
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
         counts = {k: after[k] - before[k] for k in after}
-        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts))
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, allocs))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -489,11 +491,14 @@ def run_mode(
             # per step, per rank: host seconds of forward, next batch's prepare, loss + backward,
             # optimizer, and of the agreements' waits inside them
             host_phases=[[r[3][k] for r in every] for k in range(steps)],
+            # per step, per rank: the allocators' calls (_alloc_counts), where a device-wide sync hides
+            allocator_calls=[[r[5][k] for r in every] for k in range(steps)],
             loss=float(loss.detach()),
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host=counts,
             # per rank: mean host ms of a CP forward/backward call, the first of its pass on a
-            # layout and the later layers' (issue item 2: the first should cost what the others do)
+            # layout and the later layers' (issue item 2: the first should cost what the others do),
+            # then both without the agreement's share (a rank ahead of its peers waits there)
             call_host_ms=[_call_ms(r[4]) for r in every],
         )
     if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
@@ -530,15 +535,17 @@ def run_mode(
     return res
 
 
-def _call_ms(counts: dict) -> tuple[float | None, float | None]:
+def _call_ms(counts: dict) -> tuple[float | None, ...]:
     """Mean host ms of a context-parallel call, the first of its pass on a layout and the others,
-    from a ``runtime_counts()`` difference (None where there was no such call)."""
+    then the same without the agreement's share (the wait for late peers), from a
+    ``runtime_counts()`` difference (None where there was no such call)."""
 
-    def mean(calls: str, us: str) -> float | None:
-        n = counts.get(calls, 0)
-        return counts[us] / n / 1e3 if n else None
+    def mean(which: str, less_wait: bool) -> float | None:
+        n = counts.get(f"{which}_calls", 0)
+        us = counts[f"{which}_call_us"] - (counts[f"{which}_call_agreement_us"] if less_wait else 0)
+        return us / n / 1e3 if n else None
 
-    return mean("first_calls", "first_call_us"), mean("other_calls", "other_call_us")
+    return mean("first", False), mean("other", False), mean("first", True), mean("other", True)
 
 
 @contextlib.contextmanager
@@ -679,6 +686,29 @@ class _GcPauses:
         out = (sum(s for _, s in self.log), max((g for g, _ in self.log), default=-1))
         self.log.clear()
         return out
+
+
+_ALLOC_KEYS = {  # torch.cuda.memory_stats / host_memory_stats keys: calls that can stall the host
+    "num_device_alloc": "cudaMalloc",
+    "num_device_free": "cudaFree (syncs the device)",
+    "num_alloc_retries": "alloc retries (free cache + sync)",
+    "num_sync_all_streams": "sync all streams",
+}
+_HOST_ALLOC_KEYS = {"num_host_alloc": "cudaHostAlloc", "num_host_free": "cudaFreeHost"}
+
+
+def _alloc_counts(device) -> dict[str, int]:
+    """The CUDA caching allocator's and the pinned host allocator's calls so far (each a possible
+    host stall: cudaFree and an allocation retry wait for the whole device); {} on the CPU."""
+    if device.type != "cuda":
+        return {}
+    dev = torch.cuda.memory_stats(device)
+    counts = {name: int(dev.get(key, 0)) for key, name in _ALLOC_KEYS.items()}
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)  # torch 2.6+
+    if host_stats is not None:
+        pinned = host_stats()
+        counts.update({name: int(pinned.get(key, 0)) for key, name in _HOST_ALLOC_KEYS.items()})
+    return counts
 
 
 def _mark(device):
@@ -829,12 +859,13 @@ def worker(rank, world, port, args):
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
                 )
                 print("    FA4 kernels compiled (most on a rank) " + " ".join(map(str, t["kernels_compiled_max"])))
-                if any(first is not None for first, _ in t.get("call_host_ms", [])):
+                if any(ms[0] is not None for ms in t.get("call_host_ms", [])):
                     print(
-                        "    host ms per attention call, first of its pass on a layout / later layers, per rank: "
+                        "    host ms per attention call, first of its pass on a layout / later layers, per rank"
+                        " (in brackets: without the agreement's wait for late peers): "
                         + "; ".join(
-                            f"r{r} {first:.2f} / {other:.2f}"
-                            for r, (first, other) in enumerate(t["call_host_ms"])
+                            f"r{r} {first:.2f} / {other:.2f} ({first_work:.2f} / {other_work:.2f})"
+                            for r, (first, other, first_work, other_work) in enumerate(t["call_host_ms"])
                             if first is not None and other is not None
                         )
                     )
@@ -844,6 +875,11 @@ def worker(rank, world, port, args):
                         f"r{r} " + "/".join(f"{1e3 * x:.1f}" for x in ph) for r, ph in enumerate(t["host_phases"][k])
                     )
                     print(f"    step {k} host ms forward/prepare/backward/optimizer/agreement wait: {parts}")
+                    calls = t.get("allocator_calls", [[]] * (k + 1))[k]
+                    if any(calls):
+                        print(f"    step {k} allocator calls: " + "; ".join(
+                            f"r{r} " + ", ".join(f"{key} {n}" for key, n in c.items() if n) for r, c in enumerate(calls)
+                        ))  # fmt: skip
                 print(
                     "    gc pause ms (slowest rank; oldest generation) "
                     + " ".join(

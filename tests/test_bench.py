@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -100,3 +101,7 @@ def test_dry_run(name, tmp_path):
         # the timed step's calls, the first of each pass on its layout apart, on both ranks
         line = next(x for x in run.stdout.splitlines() if "host ms per attention call, first of its pass" in x)
         assert "r0 " in line and "r1 " in line, line
+        # and, in brackets, the same without the agreement's wait: never more than the whole
+        for first, other, first_work, other_work in re.findall(r"r\d ([\d.]+) / ([\d.]+) \(([\d.]+) / ([\d.]+)\)", line):
+            assert float(first_work) <= float(first) and float(other_work) <= float(other), line
+        assert len(re.findall(r"r\d [\d.]+ / [\d.]+ \(", line)) == 2, line

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import doc_packed as dp
-from cp_prepare_cases import call_host_times, disagreeing_plans, layout_host_ms, prepared
+from cp_prepare_cases import LATE_S, call_host_times, disagreeing_plans, layout_host_ms, prepared
 from doc_packed import cp, kernels
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
@@ -82,10 +82,21 @@ def test_per_layout_host_time_does_not_depend_on_threads(run_ranks):
 
 def test_first_call_of_a_layout_is_timed_apart(run_ranks):
     """runtime_counts splits the forward and backward calls' host time: the first of each pass
-    on a layout (where a new layout's costs land) against the later layers' calls."""
+    on a layout (where a new layout's costs land) against the later layers' calls, and says how
+    much of it was the agreement's wait: rank 0 waits there for rank 1, which comes late to each
+    layout's first call, and that wait is not the call's own work."""
+    late_us = int(LATE_S * 1e6)
     for rank, got in enumerate(run_ranks(call_host_times, 2)):
         assert (got["first_calls"], got["other_calls"]) == (4, 8), (rank, got)  # 2 layouts x 2 passes; x 2 more layers
         assert got["first_call_us"] > 0 and got["other_call_us"] > 0, (rank, got)
+        for which in ("first", "other"):
+            assert 0 <= got[f"{which}_call_agreement_us"] <= got[f"{which}_call_us"], (rank, got)
+        waited = got["first_call_agreement_us"]
+        if rank == 0:  # waited for rank 1 in each of the two layouts' first forward
+            assert waited >= 2 * late_us * 0.75, (rank, got)
+            assert got["first_call_us"] - waited < late_us, (rank, got)  # the rest is the calls' work
+        else:
+            assert waited < late_us, (rank, got)
 
 
 @pytest.mark.slow

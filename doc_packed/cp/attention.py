@@ -201,15 +201,17 @@ def schedules_built() -> tuple[int, int]:
 
 
 # host nanoseconds of the forward and backward calls, split by whether the call was the first of
-# its pass on its layout and group (a new layout's costs land there) or a later one
-_CALL_NS = {"first": [0, 0], "other": [0, 0]}  # [calls, ns]
+# its pass on its layout and group (a new layout's costs land there) or a later one, and the part
+# of them spent in the agreement (waiting for the peers to arrive)
+_CALL_NS = {"first": [0, 0, 0], "other": [0, 0, 0]}  # [calls, ns, agreement ns]
 
 
-def call_host_times() -> dict[str, tuple[int, int]]:
-    """``{"first": (calls, us), "other": (calls, us)}``: host time inside this process's
-    context-parallel forward and backward calls (queuing, agreement waits included), the first
-    call of each pass on a layout against the later ones (:func:`doc_packed.cp.runtime_counts`)."""
-    return {k: (n, ns // 1000) for k, (n, ns) in _CALL_NS.items()}
+def call_host_times() -> dict[str, tuple[int, int, int]]:
+    """``{"first": (calls, us, agreement us), "other": (...)}``: host time inside this process's
+    context-parallel forward and backward calls (queuing and agreement included) and the part of
+    it spent in the agreement, where a rank waits for late peers; the first call of each pass on
+    a layout against the later ones (:func:`doc_packed.cp.runtime_counts`)."""
+    return {k: (n, ns // 1000, wait // 1000) for k, (n, ns, wait) in _CALL_NS.items()}
 
 
 def _host_timed(fn):
@@ -217,7 +219,7 @@ def _host_timed(fn):
 
     @functools.wraps(fn)
     def timed(*args):
-        t0 = time.perf_counter_ns()
+        t0, w0 = time.perf_counter_ns(), comm.agreement_ns()
         result = fn(*args)
         op: OpCall = args[-1]
         fresh: list[bool] = []  # the layout is found without a read: the call looked it up
@@ -227,6 +229,7 @@ def _host_timed(fn):
         slot = _CALL_NS["first" if fresh else "other"]
         slot[0] += 1
         slot[1] += time.perf_counter_ns() - t0
+        slot[2] += comm.agreement_ns() - w0
         return result
 
     return timed

@@ -185,6 +185,11 @@ def agreements() -> tuple[int, int]:
     return _AGREEMENTS[0], _AGREEMENTS[1] // 1000
 
 
+def agreement_ns() -> int:
+    """Nanoseconds this process spent in agreements so far (a clock to take differences of)."""
+    return _AGREEMENTS[1]
+
+
 def fingerprint(*parts: object) -> tuple[int, int]:
     """Two int64 words hashing ``parts`` (their ``repr``), for cross-rank comparison."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
