@@ -468,6 +468,7 @@ def run_mode(
         after = dp.cp.runtime_counts()
         dt = (time.perf_counter() - t0) / steps
         per_step = [_elapsed_s(a, b) for a, b in zip(marks[:-1], marks[1:])]
+        expected = _expected_steps(predicted, [batches[i][2] for i in range(warmup, warmup + steps)], S)
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
         counts = {k: after[k] - before[k] for k in after}
         dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, allocs))
@@ -484,6 +485,9 @@ def run_mode(
             step_s=dt,
             tokens_per_s=B * S / dt,
             step_times_s=per_step,
+            # each step against its own layout's predicted time, over the median of that ratio: the
+            # slowest step's stall, with the layouts' differing attention work taken out
+            slowest_vs_layout=_slowest_vs_expected(per_step, expected),
             host_s_max=host_max,
             gc_s_max=gc_max,
             gc_generation=gc_gen,
@@ -533,6 +537,24 @@ def run_mode(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _expected_steps(predicted, cus: list, S: int) -> list[float]:
+    """Each step's predicted seconds with its own layout: the step model's attention share scaled
+    by the layout's causal pairs against the steps' mean (a row with one long document does
+    several times the attention work of a row of short ones; the rest of the step does not move)."""
+    from doc_packed.flops import total_pairs
+
+    pairs = [total_pairs(cu, S, True, -1, 0) for cu in cus]
+    mean = sum(pairs) / len(pairs)
+    return [(predicted.total_us + predicted.attention_us * (p / mean - 1)) * 1e-6 for p in pairs]
+
+
+def _slowest_vs_expected(times: list[float], expected: list[float]) -> float:
+    """The largest step / expected ratio over the median ratio (1.0: no step slower than its
+    layout's work says)."""
+    ratios = sorted(t / e for t, e in zip(times, expected))
+    return ratios[-1] / ratios[len(ratios) // 2]
 
 
 def _call_ms(counts: dict) -> tuple[float | None, ...]:
@@ -854,6 +876,11 @@ def worker(rank, world, port, args):
                     f"{r['mode']} ({threads} threads): step times ms "
                     + " ".join(f"{1e3 * x:.1f}" for x in t["step_times_s"])
                 )
+                if "slowest_vs_layout" in t:
+                    print(
+                        "    slowest / median step against each step's own layout (its attention work priced): "
+                        f"{t['slowest_vs_layout']:.2f}"
+                    )
                 print(
                     "    host ms to queue the step (slowest rank) "
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])

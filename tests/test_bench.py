@@ -105,3 +105,6 @@ def test_dry_run(name, tmp_path):
         for first, other, first_work, other_work in re.findall(r"r\d ([\d.]+) / ([\d.]+) \(([\d.]+) / ([\d.]+)\)", line):
             assert float(first_work) <= float(first) and float(other_work) <= float(other), line
         assert len(re.findall(r"r\d [\d.]+ / [\d.]+ \(", line)) == 2, line
+        # the slowest step against its own layout's predicted time: a ratio to the median, >= 1
+        adjusted = next(x for x in run.stdout.splitlines() if "against each step's own layout" in x)
+        assert float(adjusted.rsplit(":", 1)[1]) >= 1.0, adjusted
