@@ -55,6 +55,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -445,7 +446,7 @@ def run_mode(
         host: list[float] = []  # host seconds each step took to queue
         pauses: list[tuple[float, int]] = []
         compiled: list[int] = []  # FA4 kernels compiled during each step (0 after the warm-up)
-        allocs: list[dict] = []  # the CUDA and pinned allocators' calls during each step
+        allocs: list[dict] = []  # allocator calls, page faults, context switches during each step
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
             gc.collect()
             gc.freeze()
@@ -454,12 +455,12 @@ def run_mode(
         with _GcPauses() as seen:
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
-                h0, k0, m0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"], _alloc_counts(device)
+                h0, k0, m0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"], _stall_counts(device)
                 with _stall_dumps(stall_dump, profile_dir, mode, f"{threads} threads, timed step {i - warmup}"):
                     loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
                 compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
-                allocs.append({key: n - m0[key] for key, n in _alloc_counts(device).items()})
+                allocs.append({key: n - m0[key] for key, n in _stall_counts(device).items()})
                 pauses.append(seen.take())
             marks.append(_mark(device))
         if device.type == "cuda":
@@ -495,8 +496,8 @@ def run_mode(
             # per step, per rank: host seconds of forward, next batch's prepare, loss + backward,
             # optimizer, and of the agreements' waits inside them
             host_phases=[[r[3][k] for r in every] for k in range(steps)],
-            # per step, per rank: the allocators' calls (_alloc_counts), where a device-wide sync hides
-            allocator_calls=[[r[5][k] for r in every] for k in range(steps)],
+            # per step, per rank: the allocators' calls, page faults, context switches (_stall_counts)
+            stall_counts=[[r[5][k] for r in every] for k in range(steps)],
             loss=float(loss.detach()),
             doc_loss=doc_loss_stats(per_doc.cpu()),
             host=counts,
@@ -719,17 +720,23 @@ _ALLOC_KEYS = {  # torch.cuda.memory_stats / host_memory_stats keys: calls that 
 _HOST_ALLOC_KEYS = {"num_host_alloc": "cudaHostAlloc", "num_host_free": "cudaFreeHost"}
 
 
-def _alloc_counts(device) -> dict[str, int]:
-    """The CUDA caching allocator's and the pinned host allocator's calls so far (each a possible
-    host stall: cudaFree and an allocation retry wait for the whole device); {} on the CPU."""
-    if device.type != "cuda":
-        return {}
-    dev = torch.cuda.memory_stats(device)
-    counts = {name: int(dev.get(key, 0)) for key, name in _ALLOC_KEYS.items()}
-    host_stats = getattr(torch.cuda, "host_memory_stats", None)  # torch 2.6+
-    if host_stats is not None:
-        pinned = host_stats()
-        counts.update({name: int(pinned.get(key, 0)) for key, name in _HOST_ALLOC_KEYS.items()})
+def _stall_counts(device) -> dict[str, int]:
+    """What can stall a host, counted so far: the CUDA caching allocator's and the pinned host
+    allocator's calls (cudaFree and an allocation retry wait for the whole device) and the
+    process's page faults and context switches (a blocking wait is a voluntary switch)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    counts = {
+        "page faults": usage.ru_minflt + usage.ru_majflt,
+        "waits (voluntary switches)": usage.ru_nvcsw,
+        "preempted (involuntary switches)": usage.ru_nivcsw,
+    }
+    if device.type == "cuda":
+        dev = torch.cuda.memory_stats(device)
+        counts.update({name: int(dev.get(key, 0)) for key, name in _ALLOC_KEYS.items()})
+        host_stats = getattr(torch.cuda, "host_memory_stats", None)  # torch 2.6+
+        if host_stats is not None:
+            pinned = host_stats()
+            counts.update({name: int(pinned.get(key, 0)) for key, name in _HOST_ALLOC_KEYS.items()})
     return counts
 
 
@@ -902,9 +909,9 @@ def worker(rank, world, port, args):
                         f"r{r} " + "/".join(f"{1e3 * x:.1f}" for x in ph) for r, ph in enumerate(t["host_phases"][k])
                     )
                     print(f"    step {k} host ms forward/prepare/backward/optimizer/agreement wait: {parts}")
-                    calls = t.get("allocator_calls", [[]] * (k + 1))[k]
+                    calls = t.get("stall_counts", [[]] * (k + 1))[k]
                     if any(calls):
-                        print(f"    step {k} allocator calls: " + "; ".join(
+                        print(f"    step {k} allocators, faults, switches: " + "; ".join(
                             f"r{r} " + ", ".join(f"{key} {n}" for key, n in c.items() if n) for r, c in enumerate(calls)
                         ))  # fmt: skip
                 print(

@@ -108,3 +108,6 @@ def test_dry_run(name, tmp_path):
         # the slowest step against its own layout's predicted time: a ratio to the median, >= 1
         adjusted = next(x for x in run.stdout.splitlines() if "against each step's own layout" in x)
         assert float(adjusted.rsplit(":", 1)[1]) >= 1.0, adjusted
+        # the slowest steps' stall counters: every rank's, the context switches counted
+        stalls = [x for x in run.stdout.splitlines() if "allocators, faults, switches" in x]
+        assert stalls and all("r0 " in x and "r1 " in x and "switches" in x for x in stalls), stalls
