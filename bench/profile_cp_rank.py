@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--autograd", action="store_true", help="compare with the same rank through autograd")
+    ap.add_argument(
+        "--autograd-threads",
+        choices=["on", "off"],
+        default="on",
+        help="with --autograd, also time the autograd modes with the engine's device thread off "
+        "(torch.autograd.set_multithreading_enabled(False): backwards on the calling thread)",
+    )
     add_dry_run(ap)
     args = ap.parse_args(argv)
     emu.ARGS = emu._parser().parse_args(["--packing", args.packing])
@@ -128,6 +135,16 @@ def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
         return run
 
     modes = {"direct": direct, "autograd (op)": through("op"), "autograd (eager)": through("eager")}
+    if args.autograd_threads == "off":  # the same, each backward on this thread instead of the device's
+
+        def calling_thread(fn):
+            def run():
+                with torch.autograd.set_multithreading_enabled(False):
+                    fn()
+
+            return run
+
+        modes["autograd (op), engine threads off"] = calling_thread(modes["autograd (op)"])
     print(f"\nrank {rank}: ms per forward+backward, median of {args.iters}")
     print("| mode | synced (wall) | CUDA events | host until return |\n|---|---|---|---|")
     for name, fn in modes.items():

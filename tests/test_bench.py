@@ -24,7 +24,7 @@ DRY_RUNS = {
     "bench_autograd_thread": ([], False, False),
     "bench_cp_reductions": ([], False, False),
     "bench_cp_emulate": ([], False, False),
-    "profile_cp_rank": (["--autograd"], False, True),
+    "profile_cp_rank": (["--autograd", "--autograd-threads", "off"], False, True),
     "bench_packing": ([], False, False),
     "bench_cp_host": ([], False, True),
     "soak_cp": ([], False, True),
