@@ -292,6 +292,7 @@ def run_mode(
     settings,
     profile_dir=None,
     stall_dump=0.0,
+    trace_steps=(),
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -456,7 +457,10 @@ def run_mode(
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
                 h0, k0, m0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"], _stall_counts(device)
-                with _stall_dumps(stall_dump, profile_dir, mode, f"{threads} threads, timed step {i - warmup}"):
+                with (
+                    _stall_dumps(stall_dump, profile_dir, mode, f"{threads} threads, timed step {i - warmup}"),
+                    _traced(i - warmup in trace_steps, profile_dir, f"{mode}_{threads}threads_step{i - warmup}"),
+                ):
                     loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
                 compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
@@ -592,6 +596,26 @@ def _stall_dumps(after_s: float, out_dir, mode: str, label: str):
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.contextmanager
+def _traced(on: bool, out_dir, label: str):
+    """torch.profiler (CPU and CUDA) around one timed step on this rank when ``on``: a Chrome
+    trace ``out_dir/trace_<label>_rank<r>.json`` and a table of its ops by self CPU time (a stall
+    shows as a long launch or runtime call under the op that made it); the step is slower for it."""
+    if not on or not out_dir:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+    base = os.path.join(out_dir, f"trace_{label}_rank{dist.get_rank()}")
+    prof.export_chrome_trace(base + ".json")
+    with open(base + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def _profile_steps(step, device, out_dir, mode) -> None:
@@ -809,6 +833,7 @@ def worker(rank, world, port, args):
                 train,
                 profile_dir=args.profile,
                 stall_dump=args.stall_dump,
+                trace_steps=args.trace_steps,
             )
         except Exception as e:  # report on every rank; go on with the next mode if every rank failed
             import traceback
@@ -1019,6 +1044,15 @@ def main(argv: list[str] | None = None) -> None:
         metavar="DIR",
         help="after each mode's timed steps, profile two more (cProfile, torch.profiler) on every rank: "
         "DIR/profile_<mode>.txt holds rank 0's and the slowest rank's",
+    )
+    ap.add_argument(
+        "--trace-steps",
+        type=lambda v: {int(x) for x in v.split(",") if x},
+        default=set(),
+        metavar="K[,K...]",
+        help="with --profile: run these timed steps (counting from 0) under torch.profiler on every "
+        "rank (DIR/trace_<mode>_<threads>threads_step<K>_rank<r>.json and .txt); a diagnostic of a "
+        "step that stalls at a given layout: it slows the step it traces",
     )
     ap.add_argument(
         "--stall-dump",

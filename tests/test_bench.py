@@ -32,7 +32,7 @@ DRY_RUNS = {
     "bench_cp": (["--sizes", "512", "--quick"], False, True),
     "bench_e2e": (
         ["--gpus", "2", "--seq", "256", "--batch", "2", "--mean-doc", "48", "--steps", "1", "--warmup", "1",
-         "--modes", "cp", "--threads", "launched", "--no-anchor", "--profile", "{tmp}"],
+         "--modes", "cp", "--threads", "launched", "--no-anchor", "--profile", "{tmp}", "--trace-steps", "0"],
         True, True,
     ),
     "bench_emulate": (["--seq", "256", "--layouts", "cp", "--docs", "lognormal", "--steps", "1", "--warmup", "1",
@@ -108,6 +108,11 @@ def test_dry_run(name, tmp_path):
         # the slowest step against its own layout's predicted time: a ratio to the median, >= 1
         adjusted = next(x for x in run.stdout.splitlines() if "against each step's own layout" in x)
         assert float(adjusted.rsplit(":", 1)[1]) >= 1.0, adjusted
+        # --trace-steps 0: the first timed step traced on both ranks, the attention op in its table
+        for rank in (0, 1):
+            (table,) = tmp_path.glob(f"trace_cp_*threads_step0_rank{rank}.txt")
+            assert "doc_packed::attn_fwd" in table.read_text()
+            assert table.with_suffix(".json").stat().st_size > 0
         # the slowest steps' stall counters: every rank's, the context switches counted
         stalls = [x for x in run.stdout.splitlines() if "allocators, faults, switches" in x]
         assert stalls and all("r0 " in x and "r1 " in x and "switches" in x for x in stalls), stalls
