@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,6 +65,7 @@ _ROW_STEPS = (1.0,)
 _ROW_MARGIN = 0.03
 _TOP_PIECES = 4
 _TOP_RECEIVERS = 3
+_ROW_START = operator.itemgetter(0, 1)  # a piece's (batch, start)
 
 
 def chunk_len(seq_len: int, cp_size: int) -> int:
@@ -228,19 +230,23 @@ class _Planner:
         self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
         self.rows_memo: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
         self.load = [0] * cp_size
+        cs, work = self.cs, self._work
         for b, docs in enumerate(layout_rows):
+            row_prefixes = prefixes[b] if prefixes is not None else None
             for d, (ds, de) in enumerate(docs):
-                doc = _Doc(ds, de, prefixes[b][d] if prefixes is not None else 0)
-                for r in range(ds // self.cs, (de - 1) // self.cs + 1):
-                    a, e = max(ds, r * self.cs), min(de, (r + 1) * self.cs)
+                doc = _Doc(ds, de, row_prefixes[d] if row_prefixes is not None else 0)
+                for r in range(ds // cs, (de - 1) // cs + 1):
+                    a, e = r * cs, (r + 1) * cs
+                    a, e = a if a > ds else ds, e if e < de else de
                     p = [b, a, e, doc, r]
                     self.pieces.append(p)
                     self.by_rank[r].append(p)
-                    self.load[r] += self._work(doc, a, e)
+                    self.load[r] += work(doc, a, e)
         # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
         self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
+        key_range = self._key_range
         for p in self.pieces:
-            self._add_keys(p[4], p[0], *self._key_range(p[3], p[1], p[2]))
+            self._add_keys(p[4], p[0], *key_range(p[3], p[1], p[2]))
 
     def fresh(self, offsets: list[int]) -> _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
@@ -306,27 +312,39 @@ class _Planner:
     def _outside_owned(self, r: int, s: int, e: int) -> list[tuple[int, int]]:
         os_, oe = self.owned[r]
         parts = []
-        if s < min(e, os_):
-            parts.append((s, min(e, os_)))
-        if max(s, oe) < e:
-            parts.append((max(s, oe), e))
+        below = e if e < os_ else os_  # [s, below): the part before the shard
+        if s < below:
+            parts.append((s, below))
+        above = s if s > oe else oe  # [above, e): the part after it
+        if above < e:
+            parts.append((above, e))
         return parts
 
     def _new_keys(self, r: int, b: int, s: int, e: int) -> int:
+        os_, oe = self.owned[r]
+        below = e if e < os_ else os_
+        above = s if s > oe else oe
         have = self.fetched[r].get(b)
         if not have:  # nothing fetched yet in this row: every key outside the shard is new
-            os_, oe = self.owned[r]
-            return max(0, min(e, os_) - s) + max(0, e - max(s, oe))
+            return (below - s if s < below else 0) + (e - above if above < e else 0)
         n = 0
-        for ps, pe in self._outside_owned(r, s, e):
+        for ps, pe in ((s, below), (above, e)):
+            if ps >= pe:
+                continue
             n += pe - ps
             for fs, fe in have:
                 if fs >= pe:
                     break
-                n -= max(0, min(fe, pe) - max(fs, ps))
+                lo = fs if fs > ps else ps
+                hi = fe if fe < pe else pe
+                if hi > lo:
+                    n -= hi - lo
         return n
 
     def _add_keys(self, r: int, b: int, s: int, e: int) -> None:
+        os_, oe = self.owned[r]
+        if s >= os_ and e <= oe:  # inside the shard: nothing to fetch
+            return
         for ps, pe in self._outside_owned(r, s, e):
             ivs = self.fetched[r].setdefault(b, [])
             merged, placed = [], False
@@ -345,9 +363,6 @@ class _Planner:
             self.fetched[r][b] = merged
 
     # -- balancing ---------------------------------------------------------------------------
-    def _key_owners(self, s: int, e: int) -> range:
-        return range(s // self.cs, min(self.c, (e - 1) // self.cs + 1))
-
     def balance(self) -> None:
         self.rows_memo = None
         total = sum(self.load)
@@ -403,13 +418,17 @@ class _Planner:
         return self._work(p[3], p[1], p[2]) / (p[2] - p[1])
 
     def _best_move(self, h, excess, mean, receivers):
+        # the ranks a move may go to, and the room each has (the same all through this call)
+        load = self.load
+        room = {t: mean - load[t] for t in range(self.c) if t != h and load[t] < mean}
         own = [p for p in self.by_rank[h] if p[2] > p[1]]
-        if not own:
+        if not own or not room:
             return None
         cands = heapq.nlargest(_TOP_PIECES, own, key=self._density)
         # runs continuing a document from the previous shard: that shard holds their prefix
         first, chosen = self.owned[h][0], {id(p) for p in cands}
         cands += [p for p in own if p[1] == first and p[3].start < p[1] and id(p) not in chosen]
+        cs, last_rank = self.cs, self.c - 1
         best, best_score = None, float("inf")
         for p in cands:
             b, a, e, doc, _ = p
@@ -424,13 +443,16 @@ class _Planner:
                 if moved == 0:
                     continue
                 ks, ke = self._key_range(doc, ma, me)
-                owners = self._key_owners(ks, ke)  # a range: take its last two ranks but h
+                # the owners of the keys form a range: take its last two ranks but h
+                hi = (ke - 1) // cs
+                owners = range(ks // cs, hi + 1 if hi < last_rank else last_rank + 1)
                 dests = [r for r in owners[-3:] if r != h][-2:] + receivers
                 for t in dests:
-                    if t == h or self.load[t] >= mean:
+                    space = room.get(t)
+                    if space is None:
                         continue
                     cost = self.query_cost * (me - ma) + self._new_keys(t, b, ks, ke)
-                    score = cost / min(moved, mean - self.load[t])
+                    score = cost / (space if space < moved else moved)
                     if score < best_score:
                         best, best_score = (p, tail, t), score
         return best
@@ -442,14 +464,18 @@ class _Planner:
         keys and its queries again as merged rows; a moved-in part adds its queries and the
         span of keys it sees."""
         q = k = m = 0
+        cs, key_range = self.cs, self._key_range
         os_, oe = self.owned[r]
         for _, a, e, doc, _ in runs:
             while a < e:
-                o = a // self.cs
-                pe = min(e, (o + 1) * self.cs)
-                ks, ke = self._key_range(doc, a, pe)
+                o = a // cs
+                pe = (o + 1) * cs
+                if pe > e:
+                    pe = e
+                ks, ke = key_range(doc, a, pe)
                 if o == r:
-                    remote = max(0, min(ke, os_) - ks) + max(0, ke - max(ks, oe))
+                    below, above = ke if ke < os_ else os_, ks if ks > oe else oe
+                    remote = (below - ks if below > ks else 0) + (ke - above if ke > above else 0)
                     if remote:
                         q, k, m = q + pe - a, k + remote, m + pe - a
                 else:
@@ -461,14 +487,15 @@ class _Planner:
         """Per rank, its runs sorted and merged where one continues the previous in a document."""
         out = []
         for r in range(self.c):
-            runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=lambda p: (p[0], p[1]))
+            runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=_ROW_START)
             merged: list[list] = []
+            q = None
             for p in runs:
-                q = merged[-1] if merged else None
                 if q is not None and q[0] == p[0] and q[2] == p[1] and q[3] is p[3]:
                     q[2] = p[2]
                 else:
-                    merged.append(list(p))
+                    q = list(p)
+                    merged.append(q)
             out.append(merged)
         return out
 
@@ -489,26 +516,25 @@ class _Planner:
         return [_price(rows, cost) for rows in self._runs_and_rows()[1]]
 
     def result(self, window, row_cost: RowCost | None) -> ContextParallelPlan:
-        segments: list[list[Segment]] = []
         all_merged, extra_rows = self._runs_and_rows()
-        for merged in all_merged:
-            segs = []
-            for b, a, e, doc, _ in merged:
-                ks, ke = self._key_range(doc, a, e)
-                segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
-            segments.append(segs)
-        work = self.work()
-        q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], []
-        for r in range(self.c):
+        key_range = self._key_range
+        segments, q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], [], []
+        for r, merged in enumerate(all_merged):
             os_, oe = self.owned[r]
-            q_ranges.append(tuple((s.batch, s.start, s.end) for s in segments[r]))
-            moved = 0
-            for s in segments[r]:
-                moved += (s.end - s.start) - max(0, min(s.end, oe) - max(s.start, os_))
+            segs, keys, moved = [], [], 0
+            for b, a, e, doc, _ in merged:
+                ks, ke = key_range(doc, a, e)
+                segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
+                keys.append((b, ks, ke))
+                lo, hi = a if a > os_ else os_, e if e < oe else oe
+                moved += e - a - (hi - lo if hi > lo else 0)  # its queries outside the shard
+            segments.append(tuple(segs))
+            q_ranges.append(tuple((b, a, e) for b, a, e, _, _ in merged))
             q_moved.append(moved)
-            ivs = _union((s.batch, s.key_start, s.key_end) for s in segments[r])
+            ivs = _union(keys)
             kv_ranges.append(tuple(ivs))
             kv_recv.append(sum(e - s - max(0, min(e, oe) - max(s, os_)) for _, s, e in ivs))
+        work = self.work()
         return ContextParallelPlan(
             cp_size=self.c,
             seq_len=self.S,
@@ -519,7 +545,7 @@ class _Planner:
             work=work,
             kv_recv_tokens=tuple(kv_recv),
             q_moved_tokens=tuple(q_moved),
-            segments=tuple(tuple(s) for s in segments),
+            segments=tuple(segments),
             kv_ranges=tuple(kv_ranges),
             extra_rows=tuple(extra_rows),
             query_cost=self.query_cost,
