@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -42,8 +42,7 @@ __all__ = ["Call", "RankSchedule", "build_schedule", "call_masks"]
 LOCAL, RECV = "local", "recv"  # the two buffers a query or key row can sit in
 
 
-@dataclass(frozen=True)
-class _Piece:
+class _Piece(NamedTuple):
     q_buf: str
     q0: int  # first row in its buffer
     nq: int
@@ -123,13 +122,18 @@ class RankSchedule:
         return out + int(self.q_traffic), 2 * out
 
 
-def _parts(b: int, s: int, e: int, cs: int, seq_len: int):
+def _parts(b: int, s: int, e: int, cs: int, seq_len: int) -> list[tuple[int, int, int]]:
     """Split positions ``[s, e)`` of row ``b`` at shard boundaries: ``(owner, s, e)``."""
+    o = s // cs
+    if s < e and e <= (o + 1) * cs and e <= seq_len:  # inside one shard (most ranges)
+        return [(o, s, e)]
+    out = []
     while s < e:
         o = s // cs
         pe = min(e, (o + 1) * cs, seq_len)
-        yield o, s, pe
+        out.append((o, s, pe))
         s = pe
+    return out
 
 
 def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, right: int):
@@ -197,37 +201,38 @@ def _merged(runs) -> list[tuple[int, int]]:
 class _Indices:
     """Every index a schedule reads on the device, gathered on the host without torch ops (plain
     ints and NumPy, whose work does not depend on torch's intra-op thread pool) and moved in one
-    copy per dtype: int64 rows, int32 segment offsets. ``add`` returns a slot; after :meth:`to`,
-    :meth:`get` gives the slot's view of the device copy."""
+    copy per dtype: int64 rows (kept as runs, expanded once), int32 segment offsets. ``add_*``
+    return a slot; after :meth:`to`, :meth:`get` gives the slot's view of the device copy."""
 
     def __init__(self) -> None:
-        self.parts: dict[torch.dtype, list[np.ndarray]] = {torch.int64: [], torch.int32: []}
+        self.runs: list[tuple[int, int]] = []  # every int64 slot's [start, end) runs, in order
+        self.offsets: list[int] = []  # every int32 slot's values, in order
         self.size = {torch.int64: 0, torch.int32: 0}
         self.slots: list[tuple[torch.dtype, int, int]] = []
         self.flat: dict[torch.dtype, torch.Tensor] = {}
 
-    def add(self, dtype: torch.dtype, values: Sequence[int] | np.ndarray) -> int:
-        arr = np.asarray(values, dtype=np.int64 if dtype == torch.int64 else np.int32)
-        self.parts[dtype].append(arr)
-        self.slots.append((dtype, self.size[dtype], arr.size))
-        self.size[dtype] += arr.size
+    def _slot(self, dtype: torch.dtype, n: int) -> int:
+        self.slots.append((dtype, self.size[dtype], n))
+        self.size[dtype] += n
         return len(self.slots) - 1
+
+    def add_offsets(self, values: Sequence[int]) -> int:
+        """A slot holding ``values`` as int32."""
+        self.offsets.extend(values)
+        return self._slot(torch.int32, len(values))
 
     def add_runs(self, runs: Sequence[tuple[int, int]]) -> int:
         """A slot holding the int64 rows of the ``[start, end)`` ``runs``, in order."""
-        return self.add(torch.int64, _expand(runs))
+        self.runs.extend(runs)
+        return self._slot(torch.int64, sum(e - s for s, e in runs))
 
     def to(self, device: torch.device) -> None:
-        for dtype, parts in self.parts.items():
-            arr = np.concatenate(parts) if parts else np.zeros(0, dtype=_NP[dtype])
-            self.flat[dtype] = queue_to(arr, device)  # (never waits for the device)
+        self.flat[torch.int64] = queue_to(_expand(self.runs), device)  # (never waits for the device)
+        self.flat[torch.int32] = queue_to(np.array(self.offsets, dtype=np.int32), device)
 
     def get(self, slot: int) -> torch.Tensor:
         dtype, start, n = self.slots[slot]
         return self.flat[dtype][start : start + n]
-
-
-_NP = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -254,8 +259,10 @@ class _Pending(NamedTuple):
     def on_device(self, index: _Indices, device: torch.device) -> Call:
         # the spec's device offsets are views of the schedule's one copy (VarlenSpec.cu_tensors)
         self.call.spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
+        c = self.call
         rows = None if self.rows is None else index.get(self.rows)
-        return replace(self.call, rows=rows, k_rows=None if self.k_rows is None else index.get(self.k_rows))
+        k_rows = None if self.k_rows is None else index.get(self.k_rows)
+        return Call(c.q_buf, c.k_buf, c.q0, c.q1, c.k0, c.k1, c.spec, rows, c.n_rows, k_rows, c.merge)
 
 
 def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
@@ -337,7 +344,7 @@ def _calls(
         written[q_buf].add(absolute)
         n_rows = sum(e - s for s, e in q_runs)
         n_keys = sum(e - s for s, e in k_runs)
-        cu = (index.add(torch.int32, cu_q), index.add(torch.int32, cu_k))
+        cu = (index.add_offsets(cu_q), index.add_offsets(cu_k))
         rows = None if n_rows == q1 - q0 else index.add_runs(q_runs)
         k_rows = None if n_keys == k1 - k0 else index.add_runs(k_runs)
         waiting = Call(q_buf, k_buf, q0, q1, k0, k1, spec, None, n_rows, None, merge)
@@ -507,12 +514,9 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     kv_send_parts = [_owned_by(plan.kv_ranges[t], rank, cs, S) if t != rank else [] for t in range(c)]
     recv_parts, kv_recv_splits = _by_owner(plan.kv_ranges[rank], rank, c, cs, S)
     # queries: its rows other ranks compute (sent), and the rows it computes for others (received)
-    q_send_parts = [
-        _owned_by(((g.batch, g.start, g.end) for g in plan.segments[t]), rank, cs, S) if t != rank else []
-        for t in range(c)
-    ]
+    q_send_parts = [_owned_by(plan.q_ranges[t], rank, cs, S) if t != rank else [] for t in range(c)]
     q_send_splits = [sum(e - s for _, s, e in ps) for ps in q_send_parts]
-    q_recv_parts, q_recv_splits = _by_owner(((g.batch, g.start, g.end) for g in plan.segments[rank]), rank, c, cs, S)
+    q_recv_parts, q_recv_splits = _by_owner(plan.q_ranges[rank], rank, c, cs, S)
     q_base = [sum(q_recv_splits[:o]) for o in range(c)]
     moved_in, seen = {}, [0] * c  # (segment, start) -> receive row of a moved query run
     for i, seg in enumerate(plan.segments[rank]):
