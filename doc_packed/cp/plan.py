@@ -244,9 +244,11 @@ class _Planner:
                     self.load[r] += work(doc, a, e)
         # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
         self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
-        key_range = self._key_range
-        for p in self.pieces:
-            self._add_keys(p[4], p[0], *key_range(p[3], p[1], p[2]))
+        key_range, owned = self._key_range, self.owned
+        for b, a, e, doc, r in self.pieces:
+            ks, ke = key_range(doc, a, e)
+            if ks < owned[r][0] or ke > owned[r][1]:
+                self._add_keys(r, b, ks, ke)
 
     def fresh(self, offsets: list[int]) -> _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
@@ -447,12 +449,17 @@ class _Planner:
                 hi = (ke - 1) // cs
                 owners = range(ks // cs, hi + 1 if hi < last_rank else last_rank + 1)
                 dests = [r for r in owners[-3:] if r != h][-2:] + receivers
+                queries = self.query_cost * (me - ma)
                 for t in dests:
                     space = room.get(t)
                     if space is None:
                         continue
-                    cost = self.query_cost * (me - ma) + self._new_keys(t, b, ks, ke)
-                    score = cost / (space if space < moved else moved)
+                    share = space if space < moved else moved
+                    # new keys are >= 0, so the score is at least the queries' part: when that
+                    # cannot beat the best, the keys need not be counted
+                    if queries / share >= best_score:
+                        continue
+                    score = (queries + self._new_keys(t, b, ks, ke)) / share
                     if score < best_score:
                         best, best_score = (p, tail, t), score
         return best
@@ -487,10 +494,11 @@ class _Planner:
         """Per rank, its runs sorted and merged where one continues the previous in a document."""
         out = []
         for r in range(self.c):
-            runs = sorted((p for p in self.by_rank[r] if p[2] > p[1]), key=_ROW_START)
             merged: list[list] = []
             q = None
-            for p in runs:
+            for p in sorted(self.by_rank[r], key=_ROW_START):
+                if p[2] <= p[1]:
+                    continue
                 if q is not None and q[0] == p[0] and q[2] == p[1] and q[3] is p[3]:
                     q[2] = p[2]
                 else:
@@ -582,6 +590,22 @@ class _CausalPlanner(_Planner):
     def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
         return doc.start, e
 
+    def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
+        # the base class's rows with causal key ranges (the document's start to the part's end):
+        # a run inside rank r's shard sees remote keys only when its document starts before it
+        os_, oe = self.owned[r]
+        q = k = m = 0
+        rest = []
+        for run in runs:
+            a, e, start = run[1], run[2], run[3].start
+            if os_ <= a and e <= oe:
+                if start < os_:
+                    q, k, m = q + e - a, k + os_ - start, m + e - a
+            else:
+                rest.append(run)
+        rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
+        return q + rq, k + rk, m + rm
+
     def _density(self, p: list) -> float:
         # pairs / queries of a causal run [i0, i1) is (i0 + i1 + 1) / 2, exactly (the pairs are
         # (i1 - i0)(i0 + i1 + 1) / 2): the same floats, so the same order, as the base class's
@@ -606,13 +630,14 @@ def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
 
 
 def _union(ranges) -> list[tuple[int, int, int]]:
-    out: list[list[int]] = []
+    out: list[tuple[int, int, int]] = []
     for b, s, e in sorted(ranges):
         if out and out[-1][0] == b and s <= out[-1][2]:
-            out[-1][2] = max(out[-1][2], e)
+            if e > out[-1][2]:
+                out[-1] = (b, out[-1][1], e)
         else:
-            out.append([b, s, e])
-    return [(b, s, e) for b, s, e in out]
+            out.append((b, s, e))
+    return out
 
 
 def build_plan(
