@@ -102,6 +102,11 @@ def validate_bounds(bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int) 
     """Raise ValueError naming the first row and rule that ``cu_seqlens`` breaks."""
     if seq_len > INT32_MAX:  # an int64 cu_seqlens may say so; kernels take 32-bit offsets
         raise ValueError(f"cu_seqlens rows end at {seq_len}, past 2**31 - 1 (kernels take 32-bit offsets)")
+    if isinstance(bounds, np.ndarray) and bounds.ndim == 2 and bounds.shape[1] > 0:
+        # every row at once: starting at 0, non-decreasing and ending at seq_len is valid (no entry
+        # can then pass seq_len); a row that breaks a rule is named by the loop below
+        if (bounds[:, 0] == 0).all() and (bounds[:, -1] == seq_len).all() and (bounds[:, 1:] >= bounds[:, :-1]).all():
+            return
     for b, row in enumerate(bounds):
         r = np.asarray(row, dtype=np.int64)
         if r[0] != 0:
