@@ -230,25 +230,27 @@ class _Planner:
         self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
         self.rows_memo: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
         self.load = [0] * cp_size
-        cs, work = self.cs, self._work
+        # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
+        self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
+        cs, owned, work, key_range = self.cs, self.owned, self._work, self._key_range
+        pieces, by_rank, load = self.pieces, self.by_rank, self.load
         for b, docs in enumerate(layout_rows):
             row_prefixes = prefixes[b] if prefixes is not None else None
             for d, (ds, de) in enumerate(docs):
                 doc = _Doc(ds, de, row_prefixes[d] if row_prefixes is not None else 0)
-                for r in range(ds // cs, (de - 1) // cs + 1):
-                    a, e = r * cs, (r + 1) * cs
-                    a, e = a if a > ds else ds, e if e < de else de
+                a, r = ds, ds // cs
+                while a < de:  # a piece per shard the document spans
+                    e = (r + 1) * cs
+                    if e > de:
+                        e = de
                     p = [b, a, e, doc, r]
-                    self.pieces.append(p)
-                    self.by_rank[r].append(p)
-                    self.load[r] += work(doc, a, e)
-        # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
-        self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
-        key_range, owned = self._key_range, self.owned
-        for b, a, e, doc, r in self.pieces:
-            ks, ke = key_range(doc, a, e)
-            if ks < owned[r][0] or ke > owned[r][1]:
-                self._add_keys(r, b, ks, ke)
+                    pieces.append(p)
+                    by_rank[r].append(p)
+                    load[r] += work(doc, a, e)
+                    ks, ke = key_range(doc, a, e)
+                    if ks < owned[r][0] or ke > owned[r][1]:
+                        self._add_keys(r, b, ks, ke)
+                    a, r = e, r + 1
 
     def fresh(self, offsets: list[int]) -> _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
@@ -256,10 +258,8 @@ class _Planner:
         assert len(self.pieces) == sum(len(r) for r in self.by_rank), "fresh() is for unbalanced planners"
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.pieces = [list(p) for p in self.pieces]
-        new.by_rank = [[] for _ in range(self.c)]
-        for p in new.pieces:
-            new.by_rank[p[4]].append(p)
+        new.by_rank = [[list(p) for p in own] for own in self.by_rank]
+        new.pieces = [p for own in new.by_rank for p in own]
         new.offsets = list(offsets)
         new.rows_memo = None
         new.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
@@ -426,7 +426,7 @@ class _Planner:
         own = [p for p in self.by_rank[h] if p[2] > p[1]]
         if not own or not room:
             return None
-        cands = heapq.nlargest(_TOP_PIECES, own, key=self._density)
+        cands = sorted(own, key=self._density, reverse=True)[:_TOP_PIECES]  # nlargest's documented equivalent
         # runs continuing a document from the previous shard: that shard holds their prefix
         first, chosen = self.owned[h][0], {id(p) for p in cands}
         cands += [p for p in own if p[1] == first and p[3].start < p[1] and id(p) not in chosen]
@@ -499,7 +499,7 @@ class _Planner:
             for p in sorted(self.by_rank[r], key=_ROW_START):
                 if p[2] <= p[1]:
                     continue
-                if q is not None and q[0] == p[0] and q[2] == p[1] and q[3] is p[3]:
+                if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
                     q[2] = p[2]
                 else:
                     q = list(p)
