@@ -444,19 +444,22 @@ class _Planner:
                 moved = self._work(doc, ma, me)
                 if moved == 0:
                     continue
+                # a score is (queries + new keys) / min(moved, room): new keys are >= 0 and so is
+                # query_cost, and rounding is monotone, so it is at least queries / share, and that
+                # at least queries / moved; when these cannot beat the best, nothing more is priced
+                queries = self.query_cost * (me - ma)
+                if queries / moved >= best_score:
+                    continue
                 ks, ke = self._key_range(doc, ma, me)
                 # the owners of the keys form a range: take its last two ranks but h
                 hi = (ke - 1) // cs
                 owners = range(ks // cs, hi + 1 if hi < last_rank else last_rank + 1)
                 dests = [r for r in owners[-3:] if r != h][-2:] + receivers
-                queries = self.query_cost * (me - ma)
                 for t in dests:
                     space = room.get(t)
                     if space is None:
                         continue
                     share = space if space < moved else moved
-                    # new keys are >= 0, so the score is at least the queries' part: when that
-                    # cannot beat the best, the keys need not be counted
                     if queries / share >= best_score:
                         continue
                     score = (queries + self._new_keys(t, b, ks, ke)) / share
