@@ -459,21 +459,18 @@ def _landing(parts: _Parts, owners) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(out)
 
 
-def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, moved_in: dict) -> list[_Piece]:
+def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, q_runs: list) -> list[_Piece]:
     """(query part, key part) of each of ``rank``'s segments, each contiguous in its buffer:
-    local rows where ``rank`` owns the positions, received rows elsewhere (``moved_in``: the
-    receive row of each moved query run, keyed by (segment, start))."""
+    local rows where ``rank`` owns the positions, received rows elsewhere (``q_runs``: per
+    segment, its queries' runs as (buffer, first row, s, e))."""
     c, S = plan.cp_size, plan.seq_len
     cs = chunk_len(S, c)
     my_start, my_end = plan.owners[rank]
     L = my_end - my_start
     left, right = plan.window_size
     pieces: list[_Piece] = []
-    for i, seg in enumerate(plan.segments[rank]):
+    for seg, seg_q_runs in zip(plan.segments[rank], q_runs):
         b = seg.batch
-        q_runs = []
-        for o, s, e in _parts(b, seg.start, seg.end, cs, S):
-            q_runs.append((LOCAL, b * L + s - my_start, s, e) if o == rank else (RECV, moved_in[(i, s)], s, e))
         k_runs: list[tuple[str, int, int, int]] = []  # (buffer, first row, s, e), merged when contiguous
         for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
             buf, row = (LOCAL, b * L + s - my_start) if o == rank else (RECV, received.row(b, s, e))
@@ -483,7 +480,7 @@ def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, moved_in:
             else:
                 k_runs.append((buf, row, s, e))
         pe = seg.prefix_end
-        for qb, qr, qs, qe in q_runs:
+        for qb, qr, qs, qe in seg_q_runs:
             if qs < pe:  # prefix queries: every key of the prefix, nothing after it
                 n = min(qe, pe) - qs
                 for kb, kr, ks, ke in k_runs:
@@ -518,13 +515,17 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     q_send_splits = [sum(e - s for _, s, e in ps) for ps in q_send_parts]
     q_recv_parts, q_recv_splits = _by_owner(plan.q_ranges[rank], rank, c, cs, S)
     q_base = [sum(q_recv_splits[:o]) for o in range(c)]
-    moved_in, seen = {}, [0] * c  # (segment, start) -> receive row of a moved query run
-    for i, seg in enumerate(plan.segments[rank]):
-        for o, s, e in _parts(seg.batch, seg.start, seg.end, cs, S):
-            if o != rank:
-                moved_in[(i, s)] = q_base[o] + seen[o]
+    q_runs, seen = [], [0] * c  # per segment, its queries' runs: (buffer, first row, s, e)
+    for b, s0, e0 in plan.q_ranges[rank]:
+        runs = []
+        for o, s, e in _parts(b, s0, e0, cs, S):
+            if o == rank:
+                runs.append((LOCAL, b * L + s - my_start, s, e))
+            else:  # moved in: received from its owner, in order
+                runs.append((RECV, q_base[o] + seen[o], s, e))
                 seen[o] += e - s
-    pieces = _pieces(plan, rank, _Received(recv_parts), moved_in)
+        q_runs.append(runs)
+    pieces = _pieces(plan, rank, _Received(recv_parts), q_runs)
 
     stage_a = [p for p in pieces if p.q_buf == LOCAL and p.k_buf == LOCAL]
     stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
