@@ -532,15 +532,16 @@ class _Planner:
         segments, q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], [], []
         for r, merged in enumerate(all_merged):
             os_, oe = self.owned[r]
-            segs, keys, moved = [], [], 0
+            segs, queries, keys, moved = [], [], [], 0
             for b, a, e, doc, _ in merged:
                 ks, ke = key_range(doc, a, e)
                 segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
+                queries.append((b, a, e))
                 keys.append((b, ks, ke))
                 lo, hi = a if a > os_ else os_, e if e < oe else oe
                 moved += e - a - (hi - lo if hi > lo else 0)  # its queries outside the shard
             segments.append(tuple(segs))
-            q_ranges.append(tuple((b, a, e) for b, a, e, _, _ in merged))
+            q_ranges.append(tuple(queries))
             q_moved.append(moved)
             ivs = _union(keys)
             kv_ranges.append(tuple(ivs))
@@ -594,9 +595,10 @@ class _CausalPlanner(_Planner):
         return doc.start, e
 
     def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
-        # the base class's rows with causal key ranges (the document's start to the part's end):
-        # a run inside rank r's shard sees remote keys only when its document starts before it
-        os_, oe = self.owned[r]
+        # the base class's rows with causal key ranges (the document's start to the part's end)
+        # for the runs inside one shard: inside rank r's, a run sees remote keys only when its
+        # document starts before the shard; inside another's, it sees all its keys remotely
+        os_, oe, cs = *self.owned[r], self.cs
         q = k = m = 0
         rest = []
         for run in runs:
@@ -604,6 +606,8 @@ class _CausalPlanner(_Planner):
             if os_ <= a and e <= oe:
                 if start < os_:
                     q, k, m = q + e - a, k + os_ - start, m + e - a
+            elif a // cs == (e - 1) // cs:
+                q, k = q + e - a, k + e - start
             else:
                 rest.append(run)
         rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
