@@ -260,11 +260,16 @@ class _Planner:
         new.__dict__.update(self.__dict__)
         new.by_rank = [[list(p) for p in own] for own in self.by_rank]
         new.pieces = [p for own in new.by_rank for p in own]
-        new.offsets = list(offsets)
-        new.rows_memo = None
-        new.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
         new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
-        return new
+        return new.last_fresh(offsets)
+
+    def last_fresh(self, offsets: list[int]) -> _Planner:
+        """This planner, unbalanced, with ``offsets`` as the fixed loads: :meth:`fresh` without the
+        copy, for the last plan made from it."""
+        self.load = [w - o + n for w, o, n in zip(self.load, self.offsets, offsets)]
+        self.offsets = list(offsets)
+        self.rows_memo = None
+        return self
 
     # -- mask arithmetic -------------------------------------------------------------------
     def _prefix(self, doc: _Doc, n: int) -> int:
@@ -668,8 +673,9 @@ def build_plan(
     kind = _CausalPlanner if causal and left < 0 and prefixes is None else _Planner
     start = kind(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
 
-    def planner(offsets: list[int] | None = None) -> _Planner:
-        planner = start.fresh(offsets if offsets is not None else [0] * cp_size)
+    def planner(offsets: list[int] | None = None, last: bool = False) -> _Planner:
+        offsets = offsets if offsets is not None else [0] * cp_size
+        planner = start.last_fresh(offsets) if last else start.fresh(offsets)
         planner.balance()
         return planner
 
@@ -683,8 +689,8 @@ def build_plan(
     # a re-plan moves pairs against the ranks' spread of priced rows, so it gains at most about
     # that spread: when the spread is under the margin a re-plan cannot be kept, and is not run
     if max(extra) - min(extra) > _ROW_MARGIN * first_max:
-        for step in _ROW_STEPS:
-            candidate = planner([int(step * (e - min(extra))) for e in extra])
+        for i, step in enumerate(_ROW_STEPS):
+            candidate = planner([int(step * (e - min(extra))) for e in extra], last=i == len(_ROW_STEPS) - 1)
             priced = max(w + x for w, x in zip(candidate.work(), candidate.priced_rows(row_cost)))
             if priced < best_max:
                 best, best_max = candidate, priced
