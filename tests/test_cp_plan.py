@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import doc_packed as dp
 from doc_packed_testing.oracle import random_lengths
 from doc_packed.cp.plan import ROW_COST
-from doc_packed.cp.plan import RowCost
+from doc_packed.cp.plan import RowCost, build_plan
+from doc_packed._doc_layout import get_layout
 from doc_packed.cp.schedule import build_schedule
 from doc_packed.data import lognormal_lengths
 from doc_packed_testing.oracle import dense_mask
@@ -315,3 +316,11 @@ def test_owned_parts_are_the_shard_intersection(data, S, c):
     for r in range(c):
         split = [(b, s, e) for b, s0, e0 in ranges for o, s, e in _parts(b, s0, e0, cs, S) if o == r]
         assert _owned_by(ranges, r, cs, S) == split
+
+
+def test_build_plan_rejects_a_negative_query_cost():
+    """The planner prunes moves by their query cost alone (exact only for costs >= 0), so
+    build_plan, public in its module, checks the cost as plan_context_parallel does."""
+    layout = get_layout(torch.tensor([[0, 40, 64]], dtype=torch.int32), 64)
+    with pytest.raises(ValueError, match="query_cost must be finite and >= 0"):
+        build_plan(layout, 2, True, -1, 0, query_cost=-1.0)

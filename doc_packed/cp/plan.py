@@ -669,6 +669,7 @@ def build_plan(
     ``row_cost``: balance pairs plus rows priced so (step 3 of the module docstring)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    query_cost = check_cost("query_cost", query_cost)  # the moves' pruning needs it >= 0
 
     kind = _CausalPlanner if causal and left < 0 and prefixes is None else _Planner
     start = kind(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
