@@ -447,7 +447,7 @@ def run_mode(
         host: list[float] = []  # host seconds each step took to queue
         pauses: list[tuple[float, int]] = []
         compiled: list[int] = []  # FA4 kernels compiled during each step (0 after the warm-up)
-        allocs: list[dict] = []  # allocator calls, page faults, context switches during each step
+        stalls: list[dict] = []  # allocator calls, page faults, context switches during each step
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
             gc.collect()
             gc.freeze()
@@ -464,7 +464,7 @@ def run_mode(
                     loss = step(i, warmup + steps)
                 host.append(time.perf_counter() - h0)
                 compiled.append(dp.cp.runtime_counts()["kernels_compiled"] - k0)
-                allocs.append({key: n - m0[key] for key, n in _stall_counts(device).items()})
+                stalls.append({key: n - m0[key] for key, n in _stall_counts(device).items()})
                 pauses.append(seen.take())
             marks.append(_mark(device))
         if device.type == "cuda":
@@ -476,7 +476,7 @@ def run_mode(
         expected = _expected_steps(predicted, [batches[i][2] for i in range(warmup, warmup + steps)], S)
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
         counts = {k: after[k] - before[k] for k in after}
-        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, allocs))
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, stalls))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -1065,6 +1065,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_dry_run(ap, "gloo ranks on CPU, float32, the models' tiny shape (pass small sizes too: --seq 256 ...)")
     args = ap.parse_args(argv)
+    if args.trace_steps and not args.profile:
+        ap.error("--trace-steps writes its traces under --profile DIR: pass --profile too")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
         return
