@@ -232,7 +232,7 @@ class _Planner:
         self.load = [0] * cp_size
         # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
         self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
-        cs, owned, work, key_range = self.cs, self.owned, self._work, self._key_range
+        cs, work, key_range = self.cs, self._work, self._key_range
         pieces, by_rank, load = self.pieces, self.by_rank, self.load
         for b, docs in enumerate(layout_rows):
             row_prefixes = prefixes[b] if prefixes is not None else None
@@ -247,9 +247,7 @@ class _Planner:
                     pieces.append(p)
                     by_rank[r].append(p)
                     load[r] += work(doc, a, e)
-                    ks, ke = key_range(doc, a, e)
-                    if ks < owned[r][0] or ke > owned[r][1]:
-                        self._add_keys(r, b, ks, ke)
+                    self._add_keys(r, b, *key_range(doc, a, e))  # (nothing for keys inside the shard)
                     a, r = e, r + 1
 
     def fresh(self, offsets: list[int]) -> _Planner:
