@@ -126,3 +126,94 @@ def call_host_times(rank, world):
     keys = ("first_calls", "other_calls", "first_call_us", "other_call_us")
     keys += ("first_call_agreement_us", "other_call_agreement_us")
     return {key: c1[key] - c0[key] for key in keys}
+
+
+
+class _Kinds:
+    """Records the kinds of torch ops (:func:`_op_kind`) that functions wrapped by
+    :meth:`recorded` dispatch, outside the attention kernels, the Triton reductions and the
+    agreement (hidden while active): what the runtime's own glue runs on the device, whose CUDA
+    kernels must be loaded before a training step needs them."""
+
+    def __init__(self):
+        from doc_packed import kernels
+        from doc_packed.cp import comm, warmup
+
+        self.seen: set = set()
+        hidden = [(kernels, "forward"), (kernels, "backward"), (attention, "merge_"), (attention, "add_partials_")]
+        self.hidden = hidden + [(warmup, "merge_"), (warmup, "add_partials_"), (comm, "check_agreement")]
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def quiet(f):
+            def call(*a, **kw):
+                with _disable_current_modes():
+                    return f(*a, **kw)
+
+            return call
+
+        self.saved = [getattr(m, name) for m, name in self.hidden]
+        for (m, name), f in zip(self.hidden, self.saved):
+            setattr(m, name, quiet(f))
+        return self
+
+    def __exit__(self, *exc):
+        for (m, name), f in zip(self.hidden, self.saved):
+            setattr(m, name, f)
+
+    def recorded(self, fn):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kind = _op_kind(func, args)
+                if kind is not None:
+                    seen.add(kind)
+                return func(*args, **(kwargs or {}))
+
+        def call(*args):
+            with Mode():
+                return fn(*args)
+
+        return call
+
+
+def _op_kind(func, args):
+    """An op's kind as a CUDA kernel sees it: its name, each tensor argument's dtype, rank and
+    contiguity, and the dimension of an index op; None for views, allocations and the
+    process group's own ops (no kernel of ours)."""
+    name = func.name()
+    if func.is_view or name.startswith(("c10d::", "_c10d_functional::")) or "empty" in name or name == "aten::_unsafe_view":
+        return None
+    tensors = tuple((a.dtype, a.dim(), a.is_contiguous()) for a in args if isinstance(a, torch.Tensor))
+    dim = args[1] if "index" in name and len(args) > 1 and isinstance(args[1], int) else None
+    return name, tensors, dim
+
+
+def runtime_op_kinds(rank, world, dtype_name, layouts):
+    """The op kinds the runtime's glue runs over ``layouts`` random layouts (causal, windowed,
+    bidirectional; forward and backward) in ``dtype_name``, and the warm-up's."""
+    from doc_packed.cp.warmup import _warm_runtime
+
+    dtype = getattr(torch, dtype_name)
+    S, rng, group = 64, random.Random(17), dist.group.WORLD
+    masks = [(True, (-1, -1)), (True, (7, 0)), (False, (5, 9)), (False, (-1, -1))]
+    with _Kinds() as runtime:
+        forward, backward = attention.forward, attention.backward
+        attention.forward, attention.backward = runtime.recorded(forward), runtime.recorded(backward)
+        try:
+            for i in range(layouts):
+                causal, window = masks[i % len(masks)]
+                cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S), random_lengths(rng, S)], S, max_docs=S)
+                g = torch.Generator().manual_seed(i)
+                q, k, v = (torch.randn(2, S // world, h, D, generator=g).to(dtype).requires_grad_() for h in (HQ, HKV, HKV))
+                out = dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window, cp_group=group)
+                out.sum().backward()
+        finally:
+            attention.forward, attention.backward = forward, backward
+    with _Kinds() as warm:
+        warm.recorded(_warm_runtime)(q, k, v)
+    return runtime.seen, warm.seen
