@@ -128,7 +128,6 @@ def call_host_times(rank, world):
     return {key: c1[key] - c0[key] for key in keys}
 
 
-
 class _Kinds:
     """Records the kinds of torch ops (:func:`_op_kind`) that functions wrapped by
     :meth:`recorded` dispatch, outside the attention kernels, the Triton reductions and the

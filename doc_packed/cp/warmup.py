@@ -14,7 +14,7 @@ dtype and head shape (``_triton.jit_once``), but only when a schedule first need
 rank's first layouts may need neither: on 4 x H200 rank 0's first merge came at the fifth
 layout, a 0.8 s compile inside a timed step. They are run once here too, on CUDA, whatever the
 attention backend, with the torch ops around the kernels (:func:`_warm_runtime`): CUDA loads a
-torch kernel's module at its first launch, 20-170 ms of host each for the runtime's gathers and
+torch kernel's module at its first launch, 20-173 ms of host each for the runtime's gathers and
 scatters, which came at the first layout that moved a query.
 """
 
