@@ -15,6 +15,7 @@ device tensors are made once per device and cached on the spec.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -77,15 +78,15 @@ class VarlenSpec:
             raise ValueError("prefix needs causal=True and one length per segment")
         # per segment, the length of its bidirectional prefix in key positions (None: no prefixes)
         self.prefix = None if prefix is None or not any(prefix) else tuple(int(x) for x in prefix)
-        self.cu_q = tuple(int(x) for x in cu_q)
-        self.cu_k = tuple(int(x) for x in cu_k)
+        self.cu_q = tuple(map(int, cu_q))
+        self.cu_k = tuple(map(int, cu_k))
         self.causal = causal
         self.left = left
         self.right = 0 if causal else right
         self.total_q = self.cu_q[-1]
         self.total_k = self.cu_k[-1]
-        self.max_q = max((b - a for a, b in zip(self.cu_q[:-1], self.cu_q[1:])), default=0)
-        self.max_k = max((b - a for a, b in zip(self.cu_k[:-1], self.cu_k[1:])), default=0)
+        self.max_q = max(map(operator.sub, self.cu_q[1:], self.cu_q[:-1]), default=0)
+        self.max_k = max(map(operator.sub, self.cu_k[1:], self.cu_k[:-1]), default=0)
         # queries and keys form independent rows of ``row_len`` tokens (no segment crosses a
         # row boundary); lets a kernel batch by row (flex). None: one packed problem.
         self.row_len = row_len
