@@ -433,27 +433,29 @@ class _Planner:
         # runs continuing a document from the previous shard: that shard holds their prefix
         first, chosen = self.owned[h][0], {id(p) for p in cands}
         cands += [p for p in own if p[1] == first and p[3].start < p[1] and id(p) not in chosen]
-        cs, last_rank = self.cs, self.c - 1
+        cs, last_rank, query_cost = self.cs, self.c - 1, self.query_cost
+        # the loops' calls, looked up once
+        work, cut, key_range, new_keys = self._work, self._cut, self._key_range, self._new_keys
         best, best_score = None, float("inf")
         for p in cands:
             b, a, e, doc, _ = p
-            w = self._work(doc, a, e)
+            w = work(doc, a, e)
             if w == 0:
                 continue
             amount = max(1, int(min(excess, w)))
             sides = (True,) if amount >= w else (True, False)
             for tail in sides:
-                ma, me = self._cut(doc, a, e, amount, tail)
-                moved = self._work(doc, ma, me)
+                ma, me = cut(doc, a, e, amount, tail)
+                moved = work(doc, ma, me)
                 if moved == 0:
                     continue
                 # a score is (queries + new keys) / min(moved, room): new keys are >= 0 and so is
                 # query_cost, and rounding is monotone, so it is at least queries / share, and that
                 # at least queries / moved; when these cannot beat the best, nothing more is priced
-                queries = self.query_cost * (me - ma)
+                queries = query_cost * (me - ma)
                 if queries / moved >= best_score:
                     continue
-                ks, ke = self._key_range(doc, ma, me)
+                ks, ke = key_range(doc, ma, me)
                 # the owners of the keys form a range: take its last two ranks but h
                 hi = (ke - 1) // cs
                 owners = range(ks // cs, hi + 1 if hi < last_rank else last_rank + 1)
@@ -465,7 +467,7 @@ class _Planner:
                     share = space if space < moved else moved
                     if queries / share >= best_score:
                         continue
-                    score = (queries + self._new_keys(t, b, ks, ke)) / share
+                    score = (queries + new_keys(t, b, ks, ke)) / share
                     if score < best_score:
                         best, best_score = (p, tail, t), score
         return best
@@ -497,19 +499,20 @@ class _Planner:
         return q, k, m
 
     def _merged(self) -> list[list[list]]:
-        """Per rank, its runs sorted and merged where one continues the previous in a document."""
+        """Per rank, its runs sorted and merged where one continues the previous in a document: the
+        pieces themselves where nothing merges (a balanced planner's pieces are only read), a new
+        run where pieces merge."""
         out = []
         for r in range(self.c):
             merged: list[list] = []
-            q = None
             for p in sorted(self.by_rank[r], key=_ROW_START):
                 if p[2] <= p[1]:
                     continue
+                q = merged[-1] if merged else None
                 if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
-                    q[2] = p[2]
+                    merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
                 else:
-                    q = list(p)
-                    merged.append(q)
+                    merged.append(p)
             out.append(merged)
         return out
 
@@ -541,14 +544,13 @@ class _Planner:
                 segs.append(Segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
                 queries.append((b, a, e))
                 keys.append((b, ks, ke))
-                lo, hi = a if a > os_ else os_, e if e < oe else oe
-                moved += e - a - (hi - lo if hi > lo else 0)  # its queries outside the shard
+                moved += _outside(a, e, os_, oe)  # its queries outside the shard
             segments.append(tuple(segs))
             q_ranges.append(tuple(queries))
             q_moved.append(moved)
             ivs = _union(keys)
             kv_ranges.append(tuple(ivs))
-            kv_recv.append(sum(e - s - max(0, min(e, oe) - max(s, os_)) for _, s, e in ivs))
+            kv_recv.append(sum(_outside(s, e, os_, oe) for _, s, e in ivs))
         work = self.work()
         return ContextParallelPlan(
             cp_size=self.c,
@@ -632,6 +634,13 @@ class _CausalPlanner(_Planner):
         # the largest m in [i0 + 1, i1] with F(m) <= F(i0) + amount
         m = _causal_queries(_causal_pairs(i0) + amount)
         return a, doc.start + min(max(m, i0 + 1), i1)
+
+
+def _outside(s: int, e: int, lo: int, hi: int) -> int:
+    """Positions of ``[s, e)`` outside ``[lo, hi)`` (ints compared inline, not by min/max: it runs
+    per run and per key range of every plan)."""
+    a, b = (s if s > lo else lo), (e if e < hi else hi)
+    return e - s - (b - a if b > a else 0)
 
 
 def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
