@@ -191,15 +191,16 @@ class _Written:
 
 def _merged(runs) -> list[tuple[int, int]]:
     """Sorted disjoint ``[start, end)`` intervals covering ``runs`` (empty ones dropped)."""
-    out: list[list[int]] = []
+    out: list[tuple[int, int]] = []
     for s, e in sorted(runs):
         if s >= e:
             continue
         if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
         else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+            out.append((s, e))
+    return out
 
 
 class _Indices:
