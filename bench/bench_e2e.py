@@ -507,7 +507,8 @@ def run_mode(
             host=counts,
             # per rank: mean host ms of a CP forward/backward call, the first of its pass on a
             # layout and the later layers' (issue item 2: the first should cost what the others do),
-            # then both without the agreement's share (a rank ahead of its peers waits there)
+            # then both without the agreement's share (a rank ahead of its peers waits there), then
+            # the exchanges' and the kernel calls' shares (first / later each)
             call_host_ms=[_call_ms(r[4]) for r in every],
         )
     if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
@@ -564,15 +565,29 @@ def _slowest_vs_expected(times: list[float], expected: list[float]) -> float:
 
 def _call_ms(counts: dict) -> tuple[float | None, ...]:
     """Mean host ms of a context-parallel call, the first of its pass on a layout and the others,
-    then the same without the agreement's share (the wait for late peers), from a
-    ``runtime_counts()`` difference (None where there was no such call)."""
+    then the same without the agreement's share (the wait for late peers), then the exchanges'
+    and the kernel calls' shares of each, from a ``runtime_counts()`` difference (None where
+    there was no such call)."""
 
-    def mean(which: str, less_wait: bool) -> float | None:
+    def mean(which: str, us: int) -> float | None:
         n = counts.get(f"{which}_calls", 0)
-        us = counts[f"{which}_call_us"] - (counts[f"{which}_call_agreement_us"] if less_wait else 0)
         return us / n / 1e3 if n else None
 
-    return mean("first", False), mean("other", False), mean("first", True), mean("other", True)
+    def part(which: str, name: str) -> float | None:
+        return mean(which, counts.get(f"{which}_call_{name}_us", 0))
+
+    whole = {w: counts[f"{w}_call_us"] for w in ("first", "other")}
+    work = {w: whole[w] - counts[f"{w}_call_agreement_us"] for w in ("first", "other")}
+    return (
+        mean("first", whole["first"]),
+        mean("other", whole["other"]),
+        mean("first", work["first"]),
+        mean("other", work["other"]),
+        part("first", "exchange"),
+        part("other", "exchange"),
+        part("first", "kernel"),
+        part("other", "kernel"),
+    )
 
 
 @contextlib.contextmanager
@@ -924,8 +939,16 @@ def worker(rank, world, port, args):
                         " (in brackets: without the agreement's wait for late peers): "
                         + "; ".join(
                             f"r{r} {first:.2f} / {other:.2f} ({first_work:.2f} / {other_work:.2f})"
-                            for r, (first, other, first_work, other_work) in enumerate(t["call_host_ms"])
+                            for r, (first, other, first_work, other_work, *_) in enumerate(t["call_host_ms"])
                             if first is not None and other is not None
+                        )
+                    )
+                    print(
+                        "      of which exchanges / kernel calls, first / later: "
+                        + "; ".join(
+                            f"r{r} {ms[4]:.2f} / {ms[5]:.2f}, {ms[6]:.2f} / {ms[7]:.2f}"
+                            for r, ms in enumerate(t["call_host_ms"])
+                            if len(ms) == 8 and None not in ms
                         )
                     )
                 slowest = sorted(range(len(t["step_times_s"])), key=lambda k: -t["step_times_s"][k])[:3]

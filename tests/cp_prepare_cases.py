@@ -124,7 +124,7 @@ def call_host_times(rank, world):
         h.sum().backward()
     c1 = cp.runtime_counts()
     keys = ("first_calls", "other_calls", "first_call_us", "other_call_us")
-    keys += ("first_call_agreement_us", "other_call_agreement_us")
+    keys += tuple(f"{w}_call_{part}_us" for w in ("first", "other") for part in ("agreement", "exchange", "kernel"))
     return {key: c1[key] - c0[key] for key in keys}
 
 

@@ -105,6 +105,14 @@ def test_dry_run(name, tmp_path):
         for first, other, first_work, other_work in re.findall(r"r\d ([\d.]+) / ([\d.]+) \(([\d.]+) / ([\d.]+)\)", line):
             assert float(first_work) <= float(first) and float(other_work) <= float(other), line
         assert len(re.findall(r"r\d [\d.]+ / [\d.]+ \(", line)) == 2, line
+        # the exchanges' and the kernel calls' shares of the same calls: within the call's own work
+        works = re.findall(r"r\d [\d.]+ / [\d.]+ \(([\d.]+) / ([\d.]+)\)", line)
+        split = next(x for x in run.stdout.splitlines() if "of which exchanges / kernel calls" in x)
+        shares = re.findall(r"r\d ([\d.]+) / ([\d.]+), ([\d.]+) / ([\d.]+)", split)
+        assert len(shares) == 2, split
+        for (fw, ow), (fx, ox, fk, ok) in zip(works, shares):
+            assert float(fx) + float(fk) <= float(fw) + 0.02 and float(ox) + float(ok) <= float(ow) + 0.02, split
+            assert float(fk) > 0 and float(ok) > 0, split
         # the slowest step against its own layout's predicted time: a ratio to the median, >= 1
         adjusted = next(x for x in run.stdout.splitlines() if "against each step's own layout" in x)
         assert float(adjusted.rsplit(":", 1)[1]) >= 1.0, adjusted

@@ -201,17 +201,21 @@ def schedules_built() -> tuple[int, int]:
 
 
 # host nanoseconds of the forward and backward calls, split by whether the call was the first of
-# its pass on its layout and group (a new layout's costs land there) or a later one, and the part
-# of them spent in the agreement (waiting for the peers to arrive)
-_CALL_NS = {"first": [0, 0, 0], "other": [0, 0, 0]}  # [calls, ns, agreement ns]
+# its pass on its layout and group (a new layout's costs land there) or a later one, and the parts
+# of them spent in the agreement (waiting for the peers to arrive), in the exchanges (issuing the
+# transfers, waiting where the backend blocks) and in the attention kernels' calls
+_CALL_NS = {"first": [0, 0, 0, 0, 0], "other": [0, 0, 0, 0, 0]}  # [calls, ns, agreement, exchange, kernels]
+_KERNEL_NS = [0]  # host nanoseconds inside the schedules' kernel calls so far
 
 
-def call_host_times() -> dict[str, tuple[int, int, int]]:
-    """``{"first": (calls, us, agreement us), "other": (...)}``: host time inside this process's
-    context-parallel forward and backward calls (queuing and agreement included) and the part of
-    it spent in the agreement, where a rank waits for late peers; the first call of each pass on
-    a layout against the later ones (:func:`doc_packed.cp.runtime_counts`)."""
-    return {k: (n, ns // 1000, wait // 1000) for k, (n, ns, wait) in _CALL_NS.items()}
+def call_host_times() -> dict[str, tuple[int, ...]]:
+    """``{"first": (calls, us, agreement us, exchange us, kernel us), "other": (...)}``: host
+    time inside this process's context-parallel forward and backward calls (queuing and agreement
+    included) and the parts of it spent in the agreement (where a rank waits for late peers), in
+    the exchanges and in the attention kernels' calls (their Python and launches; on CPU their
+    compute); the first call of each pass on a layout against the later ones
+    (:func:`doc_packed.cp.runtime_counts`)."""
+    return {k: (n, *(ns // 1000 for ns in parts)) for k, (n, *parts) in _CALL_NS.items()}
 
 
 def _host_timed(fn):
@@ -219,7 +223,7 @@ def _host_timed(fn):
 
     @functools.wraps(fn)
     def timed(*args):
-        t0, w0 = time.perf_counter_ns(), comm.agreement_ns()
+        t0, starts = time.perf_counter_ns(), (comm.agreement_ns(), comm.exchange_ns(), _KERNEL_NS[0])
         result = fn(*args)
         op: OpCall = args[-1]
         fresh: list[bool] = []  # the layout is found without a read: the call looked it up
@@ -229,7 +233,9 @@ def _host_timed(fn):
         slot = _CALL_NS["first" if fresh else "other"]
         slot[0] += 1
         slot[1] += time.perf_counter_ns() - t0
-        slot[2] += comm.agreement_ns() - w0
+        slot[2] += comm.agreement_ns() - starts[0]
+        slot[3] += comm.exchange_ns() - starts[1]
+        slot[4] += _KERNEL_NS[0] - starts[2]
         return result
 
     return timed
@@ -385,6 +391,7 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], op: OpCall) -> None:
     each call's output merged into ``rows`` of its query buffer."""
     for call in calls:
         k, v = kvs[call.k_buf]
+        t0 = time.perf_counter_ns()
         o, l = kernels.forward(
             call.spec,
             _rows(qs[call.q_buf], call.q0, call.q1),
@@ -394,6 +401,7 @@ def _forward_calls(calls, qs, kvs, rows: dict[str, _Rows], op: OpCall) -> None:
             op.backend,
             op.softcap,
         )
+        _KERNEL_NS[0] += time.perf_counter_ns() - t0
         rows[call.q_buf].write(call, o, l)
 
 
@@ -484,6 +492,7 @@ def _backward_calls(calls, saved, kvs, grads: _Grads, op: OpCall) -> None:
         qb, ob, dob, lb = saved[call.q_buf]
         kb, vb = kvs[call.k_buf]
         q0, q1, k0, k1 = call.q0, call.q1, call.k0, call.k1
+        t0 = time.perf_counter_ns()
         g_q, g_k, g_v = kernels.backward(
             call.spec,
             _rows(dob, q0, q1),
@@ -496,6 +505,7 @@ def _backward_calls(calls, saved, kvs, grads: _Grads, op: OpCall) -> None:
             op.backend,
             op.softcap,
         )
+        _KERNEL_NS[0] += time.perf_counter_ns() - t0
         grads.add(call, g_q, g_k, g_v)
 
 

@@ -127,6 +127,31 @@ def _ensure_communicator(group_name: str, pg: dist.ProcessGroup, device: torch.d
     _warm[(group_name, device.type)] = pg
 
 
+_EXCHANGE_NS = [0]  # host nanoseconds this process spent issuing exchanges and waiting on them
+
+
+def exchange_ns() -> int:
+    """Nanoseconds of host time this process spent in :func:`start_exchange` and
+    :func:`wait_exchange` so far (a clock to take differences of; on CUDA a wait only queues the
+    stream's wait, on CPU backends it blocks until the data landed)."""
+    return _EXCHANGE_NS[0]
+
+
+def _host_clocked(fn):
+    """Add ``fn``'s host time to :data:`_EXCHANGE_NS`."""
+
+    @functools.wraps(fn)
+    def clocked(*args):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args)
+        finally:
+            _EXCHANGE_NS[0] += time.perf_counter_ns() - t0
+
+    return clocked
+
+
+@_host_clocked
 def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     """Issue one AllToAll-V of every field and return at once (:func:`wait_exchange` before
     reading). Every rank of the group passes the same number of fields, in the same order, and
@@ -160,6 +185,7 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     return ex
 
 
+@_host_clocked
 def wait_exchange(ex: Exchange) -> list[torch.Tensor]:
     """The landed receive buffers of :func:`start_exchange`, one per field (on CUDA the current
     stream waits for the transfers; the host does not)."""

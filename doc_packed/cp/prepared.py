@@ -111,10 +111,12 @@ def runtime_counts() -> dict[str, int]:
     took (``agreement_us``: a rank whose peers are late waits there), and the host time of the
     forward and backward calls: ``first_calls``/``first_call_us`` for the first call of each
     pass on a layout, ``other_calls``/``other_call_us`` for the rest (a prepared layout's first
-    call should cost what the others do), and ``first_call_agreement_us`` /
-    ``other_call_agreement_us``, the part of each spent in the agreement (waiting for late
-    peers: a rank that is ahead waits there for the slowest one, so the call's own host work is
-    the difference)."""
+    call should cost what the others do), and the parts of each: ``*_call_agreement_us`` in the
+    agreement (waiting for late peers: a rank that is ahead waits there for the slowest one, so
+    the call's own host work is the difference), ``*_call_exchange_us`` issuing the exchanges'
+    transfers (and waiting for them where the backend blocks the host: gloo) and
+    ``*_call_kernel_us`` in the attention kernels' calls (their Python and launches; on CPU their
+    compute)."""
     built, in_calls = attention.schedules_built()
     agreed, agreed_us = comm.agreements()
     times = attention.call_host_times()
@@ -128,9 +130,13 @@ def runtime_counts() -> dict[str, int]:
         "first_calls": times["first"][0],
         "first_call_us": times["first"][1],
         "first_call_agreement_us": times["first"][2],
+        "first_call_exchange_us": times["first"][3],
+        "first_call_kernel_us": times["first"][4],
         "other_calls": times["other"][0],
         "other_call_us": times["other"][1],
         "other_call_agreement_us": times["other"][2],
+        "other_call_exchange_us": times["other"][3],
+        "other_call_kernel_us": times["other"][4],
     }
 
 
