@@ -83,8 +83,9 @@ def test_per_layout_host_time_does_not_depend_on_threads(run_ranks):
 def test_first_call_of_a_layout_is_timed_apart(run_ranks):
     """runtime_counts splits the forward and backward calls' host time: the first of each pass
     on a layout (where a new layout's costs land) against the later layers' calls, and says how
-    much of it went to the exchanges and the kernels, and how much was the agreement's wait: rank 0 waits there for rank 1, which comes late to each
-    layout's first call, and that wait is not the call's own work."""
+    much of it went to the exchanges and the kernels, and how much was the agreement's wait:
+    rank 0 waits there for rank 1, which comes late to each layout's first call, and that wait is
+    not the call's own work."""
     late_us = int(LATE_S * 1e6)
     for rank, got in enumerate(run_ranks(call_host_times, 2)):
         assert (got["first_calls"], got["other_calls"]) == (4, 8), (rank, got)  # 2 layouts x 2 passes; x 2 more layers
