@@ -948,7 +948,7 @@ def worker(rank, world, port, args):
                         + "; ".join(
                             f"r{r} {ms[4]:.2f} / {ms[5]:.2f}, {ms[6]:.2f} / {ms[7]:.2f}"
                             for r, ms in enumerate(t["call_host_ms"])
-                            if len(ms) == 8 and None not in ms
+                            if None not in ms
                         )
                     )
                 slowest = sorted(range(len(t["step_times_s"])), key=lambda k: -t["step_times_s"][k])[:3]

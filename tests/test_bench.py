@@ -102,15 +102,15 @@ def test_dry_run(name, tmp_path):
         line = next(x for x in run.stdout.splitlines() if "host ms per attention call, first of its pass" in x)
         assert "r0 " in line and "r1 " in line, line
         # and, in brackets, the same without the agreement's wait: never more than the whole
-        for first, other, first_work, other_work in re.findall(r"r\d ([\d.]+) / ([\d.]+) \(([\d.]+) / ([\d.]+)\)", line):
+        calls = re.findall(r"r\d ([\d.]+) / ([\d.]+) \(([\d.]+) / ([\d.]+)\)", line)
+        for first, other, first_work, other_work in calls:
             assert float(first_work) <= float(first) and float(other_work) <= float(other), line
         assert len(re.findall(r"r\d [\d.]+ / [\d.]+ \(", line)) == 2, line
         # the exchanges' and the kernel calls' shares of the same calls: within the call's own work
-        works = re.findall(r"r\d [\d.]+ / [\d.]+ \(([\d.]+) / ([\d.]+)\)", line)
         split = next(x for x in run.stdout.splitlines() if "of which exchanges / kernel calls" in x)
         shares = re.findall(r"r\d ([\d.]+) / ([\d.]+), ([\d.]+) / ([\d.]+)", split)
         assert len(shares) == 2, split
-        for (fw, ow), (fx, ox, fk, ok) in zip(works, shares):
+        for (_, _, fw, ow), (fx, ox, fk, ok) in zip(calls, shares):
             assert float(fx) + float(fk) <= float(fw) + 0.02 and float(ox) + float(ok) <= float(ow) + 0.02, split
             assert float(fk) > 0 and float(ok) > 0, split
         # the slowest step against its own layout's predicted time: a ratio to the median, >= 1

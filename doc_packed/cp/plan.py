@@ -498,8 +498,7 @@ class _Planner:
                     pe = e
                 ks, ke = key_range(doc, a, pe)
                 if o == r:
-                    below, above = ke if ke < os_ else os_, ks if ks > oe else oe
-                    remote = (below - ks if below > ks else 0) + (ke - above if ke > above else 0)
+                    remote = _outside(ks, ke, os_, oe)
                     if remote:
                         q, k, m = q + pe - a, k + remote, m + pe - a
                 else:

@@ -265,7 +265,19 @@ class _Pending(NamedTuple):
         c = self.call
         rows = None if self.rows is None else index.get(self.rows)
         k_rows = None if self.k_rows is None else index.get(self.k_rows)
-        return Call(c.q_buf, c.k_buf, c.q0, c.q1, c.k0, c.k1, c.spec, rows, c.n_rows, k_rows, c.merge)
+        return Call(
+            q_buf=c.q_buf,
+            k_buf=c.k_buf,
+            q0=c.q0,
+            q1=c.q1,
+            k0=c.k0,
+            k1=c.k1,
+            spec=c.spec,
+            rows=rows,
+            n_rows=c.n_rows,
+            k_rows=k_rows,
+            merge=c.merge,
+        )
 
 
 def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
