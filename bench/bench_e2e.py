@@ -68,6 +68,7 @@ import doc_packed as dp
 from bench import e2e_models as models
 from bench._harness import add_dry_run, spawn_ranks
 from doc_packed.data import lognormal_lengths
+from doc_packed.kernels import fa4_launch
 from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
 
 
@@ -442,7 +443,7 @@ def run_mode(
         dist.barrier()
         # per-step times from events between steps (no extra sync): a step that compiles a kernel
         # or plans on the critical path shows up as an outlier
-        before = dp.cp.runtime_counts()
+        before, fa4_before = dp.cp.runtime_counts(), fa4_launch.counts()
         marks: list = []
         host: list[float] = []  # host seconds each step took to queue
         pauses: list[tuple[float, int]] = []
@@ -476,7 +477,9 @@ def run_mode(
         expected = _expected_steps(predicted, [batches[i][2] for i in range(warmup, warmup + steps)], S)
         every: list = [None] * dist.get_world_size()  # each rank's host and gc per step (a stall anywhere shows)
         counts = {k: after[k] - before[k] for k in after}
-        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, stalls))
+        fa4_after = fa4_launch.counts()
+        fa4_calls = {k: n - fa4_before.get(k, 0) for k, n in fa4_after.items() if n > fa4_before.get(k, 0)}
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, stalls, fa4_calls))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -510,6 +513,9 @@ def run_mode(
             # then both without the agreement's share (a rank ahead of its peers waits there), then
             # the exchanges' and the kernel calls' shares (first / later each)
             call_host_ms=[_call_ms(r[4]) for r in every],
+            # per rank: what its FA4 calls in the timed steps did (replayed, recorded, not
+            # replayable and why: kernels.fa4_launch.counts)
+            fa4_calls=[r[6] for r in every],
         )
     if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
         torch.set_num_threads(thread_settings[0][0])
@@ -655,7 +661,9 @@ def _profile_steps(step, device, out_dir, mode) -> None:
     py.disable()
     host_py = time.perf_counter() - h0
     settle()
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         h0 = time.perf_counter()
         step(2)
@@ -933,6 +941,14 @@ def worker(rank, world, port, args):
                     + " ".join(f"{1e3 * x:.1f}" for x in t["host_s_max"])
                 )
                 print("    FA4 kernels compiled (most on a rank) " + " ".join(map(str, t["kernels_compiled_max"])))
+                if any(t.get("fa4_calls", [])):
+                    print(
+                        "    FA4 calls in the timed steps, per rank: "
+                        + "; ".join(
+                            f"r{r} " + ", ".join(f"{what} {n}" for what, n in sorted(c.items()))
+                            for r, c in enumerate(t["fa4_calls"])
+                        )
+                    )
                 if any(ms[0] is not None for ms in t.get("call_host_ms", [])):
                     print(
                         "    host ms per attention call, first of its pass on a layout / later layers, per rank"

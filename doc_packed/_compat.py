@@ -31,6 +31,7 @@ __all__ = [
     "is_functorch_wrapped",
     "modes_active",
     "op_argument_names",
+    "post_point_to_point",
     "profiler_enabled",
     "resolve_process_group",
     "tensor_version",
@@ -92,6 +93,49 @@ def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
 def default_store() -> torch.distributed.Store:
     """The store ``init_process_group`` made (context parallelism's gloo companion groups)."""
     return private("torch.distributed.distributed_c10d", "_get_default_store")()
+
+
+# (process group, device type) -> whether its backend batches point-to-point ops itself (NCCL)
+_coalesces: dict[tuple[Any, str], bool] = {}
+
+
+def post_point_to_point(
+    pg: torch.distributed.ProcessGroup, device: torch.device, ops: list[tuple[bool, torch.Tensor, int, int]]
+) -> list[Any]:
+    """Post ``ops`` (``(send, tensor, peer's rank in pg, tag)``) as one batch; the works to wait on.
+
+    What ``torch.distributed.batch_isend_irecv`` does, in the same order: where ``pg``'s backend
+    batches point-to-point ops itself (NCCL: one ``ncclGroupStart``/``ncclGroupEnd``), the ops go
+    straight to ``pg`` between its private ``_start_coalescing`` and ``_end_coalescing``, as
+    ``batch_isend_irecv``'s own NCCL path does, without its Python per op (``P2POp`` checks,
+    group-rank translation and argument checks in ``isend``/``irecv``); elsewhere (gloo) through
+    ``batch_isend_irecv`` itself.
+    """
+    dist = torch.distributed
+    key = (pg, device.type)
+    native = _coalesces.get(key)
+    if native is None:
+        backend = pg._get_backend(device)
+        native = _coalesces[key] = (
+            type(pg) is dist.ProcessGroup
+            and bool(getattr(backend, "supports_coalescing", False))
+            and hasattr(pg, "_start_coalescing")
+            and hasattr(pg, "_end_coalescing")
+        )
+    if not native:
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend if send else dist.irecv, t, dist.get_global_rank(pg, peer), pg, tag)
+                for send, t, peer, tag in ops
+            ]
+        )
+    pg._start_coalescing(device)
+    try:
+        for send, t, peer, tag in ops:
+            (pg.send if send else pg.recv)([t], peer, tag)
+    finally:
+        work = pg._end_coalescing(device)
+    return [work]
 
 
 # ----------------------------------------------------------------------------- tensors and ops

@@ -67,3 +67,34 @@ def test_device_communicator_made_once_per_group(monkeypatch):
     assert calls == made_a
     comm._ensure_communicator("g", pg_b, meta)  # the name now resolves to another group
     assert calls == made_a + [("all_reduce", "meta", pg_b), ("all_to_all", "meta", pg_b)]
+
+
+def test_batch_goes_straight_to_a_coalescing_backend_in_order(monkeypatch):
+    """On a backend that batches point-to-point ops itself (NCCL) the exchange's ops go to the
+    group between its start and end of coalescing, in the batch's order, to the peers' group
+    ranks, and the one coalesced work is what the caller waits on (the NCCL path itself runs in
+    ``test_exchange_on_nccl``)."""
+    from doc_packed import _compat
+
+    log: list = []
+
+    class Group:
+        def _start_coalescing(self, device):
+            log.append(("start", device.type))
+
+        def send(self, tensors, peer, tag):
+            log.append(("send", tensors[0], peer, tag))
+
+        def recv(self, tensors, peer, tag):
+            log.append(("recv", tensors[0], peer, tag))
+
+        def _end_coalescing(self, device):
+            log.append(("end", device.type))
+            return "work"
+
+    pg, meta = Group(), torch.device("meta")
+    monkeypatch.setitem(_compat._coalesces, (pg, "meta"), True)
+    a, b, c = torch.empty(2, device=meta), torch.empty(3, device=meta), torch.empty(1, device=meta)
+    works = _compat.post_point_to_point(pg, meta, [(True, a, 1, 0), (False, b, 1, 0), (True, c, 2, 1)])  # type: ignore[arg-type]
+    assert works == ["work"]
+    assert log == [("start", "meta"), ("send", a, 1, 0), ("recv", b, 1, 0), ("send", c, 2, 1), ("end", "meta")]

@@ -44,7 +44,9 @@ def _fake_fa4(launches: int = 1, extra_tensor: bool = False):
         lse = torch.empty(q.shape[1], q.shape[0]) if return_lse else None
         made = torch.zeros(2) if extra_tensor else None  # like FA4's per-call scheduler metadata
         for _ in range(launches):
-            cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, made)
+            cache[key](
+                q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, made
+            )
         return out, lse, None, None, None
 
     fwd.compile_cache = cache  # type: ignore[attr-defined]
@@ -79,18 +81,28 @@ def test_replay_matches_a_full_call_on_new_inputs(need_lse):
 @pytest.mark.parametrize(
     "fake, why",
     [
-        (dict(launches=2), "two launches (split-KV and combine)"),
-        (dict(launches=0), "no launch (an empty problem)"),
-        (dict(extra_tensor=True), "a tensor FA4 made for the call"),
+        (dict(launches=2), "2 launches"),
+        (dict(launches=0), "0 launches"),
+        (dict(extra_tensor=True), "a tensor made for this call"),
     ],
 )
 def test_first_calls_that_cannot_be_reproduced_are_not_replayed(fake, why):
+    """(two launches: split-KV and its combine; none: an empty problem; a tensor FA4 made for
+    the call: its scheduler metadata.) The refusal is counted under its reason."""
     fwd, _ = _fake_fa4(**fake)
     cu = torch.tensor([0, 64], dtype=torch.int32)
     q, k, v = _qkv(0)
+    before = fa4_launch.counts()
     (out, *_), launch = fa4_launch.record(fwd, q, k, v, (cu,), _kwargs(cu))
     assert launch is None, why
     assert out.shape == q.shape  # FA4's own result still comes back
+    _assert_counted(before, f"forward not replayable: {why}")
+
+
+def _assert_counted(before: dict, what: str) -> None:
+    """One more call counted under ``what`` since ``before``, and under nothing else."""
+    after = fa4_launch.counts()
+    assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {what: 1}
 
 
 def test_offsets_other_than_the_specs_are_not_replayed():
@@ -185,7 +197,9 @@ def _fake_fa4_bwd(compute_op: bool = False, foreign: torch.Tensor | None = None,
         cache["pre"](out, dout, dpsum, lse, dq_accum, cu_seqlens_q)
         extra = foreign if foreign is not None else dk_accum
         aux = _Aux([dq] if aux_tensor else None)
-        cache["main"](q, k.detach(), v, dout, lse, dpsum, dq_rows, extra, dv_accum, softmax_scale, cu_seqlens_q, cu_seqlens_k, aux)
+        cache["main"](
+            q, k.detach(), v, dout, lse, dpsum, dq_rows, extra, dv_accum, softmax_scale, cu_seqlens_q, cu_seqlens_k, aux
+        )
         cache["post"](dq_rows, dq.view(-1, q.shape[-1]), softmax_scale)
         cache["post"](dk_accum, dk, 1.0)
         cache["post"](dv_accum, dv, 1.0)
@@ -242,17 +256,23 @@ def test_backward_replay_zeroes_what_fa4_zeroed():
 @pytest.mark.parametrize(
     "fake, why",
     [
-        (dict(compute_op=True), "an arithmetic op on an input"),
-        (dict(foreign=torch.zeros(64, 2, 8)), "a tensor of unknown origin (a cache of FA4's)"),
-        (dict(aux_tensor=True), "an argument object holding a tensor"),
+        (dict(compute_op=True), "a tensor op ("),
+        (dict(foreign=torch.zeros(64, 2, 8)), "a launch argument of unknown origin"),
+        (dict(aux_tensor=True), "a launch argument holding tensors"),
     ],
 )
 def test_backward_calls_that_are_not_a_fixed_program_are_not_replayed(fake, why):
+    """(an arithmetic op on an input; a tensor of unknown origin, a cache of FA4's; an argument
+    object holding a tensor.) The refusal is counted under its reason."""
     bwd, _ = _fake_fa4_bwd(**fake)
     cu = torch.tensor([0, 64], dtype=torch.int32)
+    before = fa4_launch.counts()
     result, steps = fa4_launch.record_steps(bwd, _bwd_inputs(0), (cu,), _bwd_kwargs(cu))
     assert steps is None, why
     assert result[0].shape == (64, 4, 8)  # FA4's own result still comes back
+    after = fa4_launch.counts()
+    new = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    assert len(new) == 1 and next(iter(new)).startswith(f"backward not replayable: {why}"), new
 
 
 def test_a_tensor_passed_twice_is_not_recorded():

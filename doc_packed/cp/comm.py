@@ -4,8 +4,9 @@
   of several fields at once (e.g. K rows, V rows and moved query rows), each sent as runs of
   rows where they lie and landing in its own receive buffer where the caller says, so nothing
   is gathered into a message or cut out of one. It is one grouped batch of point-to-point transfers
-  (``torch.distributed.batch_isend_irecv``: on NCCL one ``ncclGroupStart``/``ncclGroupEnd``,
-  what ``all_to_all_single`` issues too), started so that compute runs while it is in flight.
+  (what ``torch.distributed.batch_isend_irecv`` posts: on NCCL one ``ncclGroupStart``/
+  ``ncclGroupEnd``, as ``all_to_all_single`` issues too; :func:`doc_packed._compat.post_point_to_point`),
+  started so that compute runs while it is in flight.
 - :func:`check_agreement`: one small all-gather per context-parallel call proving every rank
   makes the same call, before any data moves (docs/contract.md, section 8).
 
@@ -98,7 +99,7 @@ def _consecutive(splits: Sequence[int]) -> list[list[tuple[int, int]]]:
 @dataclass
 class Exchange:
     """An exchange in flight: its receive buffers (one per field, not to be read before
-    :func:`wait_exchange`), the transfers' handles, and the send buffers they read."""
+    :func:`wait_exchange`), the transfers' handles, and the rows they read and write."""
 
     received: list[torch.Tensor]
     works: list[Any] = field(default_factory=list)
@@ -159,29 +160,27 @@ def start_exchange(fields: Sequence[Field], group_name: str) -> Exchange:
     pg = _compat.resolve_process_group(group_name)
     rank = dist.get_rank(pg)
     ex = Exchange(received=[])
-    ops: list[dist.P2POp] = []
+    ops: list[tuple[bool, torch.Tensor, int, int]] = []  # (send, rows, peer, tag), in batch order
     for tag, f in enumerate(fields):
-        x, send, recv, into = f.rows, f.send, f.recv, receive_buffer(f)
+        x, into = f.rows, receive_buffer(f)
         if not into.is_contiguous():
             raise ValueError(f"field {tag} of the exchange lands in a non-contiguous buffer (strides {into.stride()})")
         ex.received.append(into)
-        for p, (runs_out, runs_in) in enumerate(zip(send, recv)):
+        whole = x.is_contiguous()  # then every run of rows is: no per-run check
+        for p, (runs_out, runs_in) in enumerate(zip(f.send, f.recv)):
             if p == rank:  # rows this rank keeps: local copies
                 for (r0, n), (t0, m) in zip(runs_out, runs_in):
                     into[t0 : t0 + m].copy_(x[r0 : r0 + n])
                 continue
-            peer = dist.get_global_rank(pg, p)
             for r0, n in runs_out:
-                block = x[r0 : r0 + n]
-                block = block if block.is_contiguous() else block.contiguous()
-                ex.sent.append(block)
-                ops.append(dist.P2POp(dist.isend, block, peer, pg, tag))
+                ops.append((True, x[r0 : r0 + n] if whole else x[r0 : r0 + n].contiguous(), p, tag))
             for t0, m in runs_in:
-                ops.append(dist.P2POp(dist.irecv, into[t0 : t0 + m], peer, pg, tag))
-    if fields:
+                ops.append((False, into[t0 : t0 + m], p, tag))
+    if fields:  # every rank (some may have no transfer): the traffic flags are every rank's
         _ensure_communicator(group_name, pg, fields[0].rows.device)
     if ops:
-        ex.works = dist.batch_isend_irecv(ops)
+        ex.works = _compat.post_point_to_point(pg, fields[0].rows.device, ops)
+        ex.sent = [t for _, t, _, _ in ops]  # alive until the transfers are waited on
     return ex
 
 

@@ -251,7 +251,10 @@ def forward(
     """``(out [T_q, H_q, D_v], lse [H_q, T_q] float32)``; rows that see nothing: out 0, lse -inf
     (with ``sinks``, FA4's ``learnable_sink``: lse includes the sink, a row that sees nothing has
     lse = sink). ``need_lse=False``: lse is not written and None is returned."""
-    key = fa4_launch.key(q, k, v, scale, softcap, need_lse) if sinks is None and fa4_launch.enabled() else None
+    replay = sinks is None and fa4_launch.enabled()
+    key = fa4_launch.key(q, k, v, scale, softcap, need_lse) if replay else None
+    if replay and key is None:
+        fa4_launch.tally("forward misaligned")
     launches = None if key is None else spec.cached(("fa4-launches",), dict)  # key -> Launch, or None
     launch = None if launches is None else launches.get(key, _UNSEEN)
     if launch is not None and launch is not _UNSEEN:
@@ -306,7 +309,10 @@ def backward(
 def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softcap: float):
     """FA4's backward on ``(q, k, v, out, dout, lse)``: recorded by its first call per spec and
     key, replayed after (:func:`fa4_launch.replay_steps`), as the forward."""
-    key = fa4_launch.steps_key(tensors, scale, softcap) if fa4_launch.enabled() else None
+    replay = fa4_launch.enabled()
+    key = fa4_launch.steps_key(tensors, scale, softcap) if replay else None
+    if replay and key is None:
+        fa4_launch.tally("backward misaligned")
     programs = None if key is None else spec.cached(("fa4-steps",), dict)  # key -> Steps, _RETRY or None
     steps = None if programs is None else programs.get(key, _UNSEEN)
     if isinstance(steps, fa4_launch.Steps):

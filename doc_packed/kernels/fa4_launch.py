@@ -39,10 +39,37 @@ from torch import Tensor
 
 from .. import _compat
 
-__all__ = ["Launch", "Steps", "enabled", "key", "record", "record_steps", "replay", "replay_steps", "steps_key"]
+__all__ = [
+    "Launch",
+    "Steps",
+    "counts",
+    "tally",
+    "enabled",
+    "key",
+    "record",
+    "record_steps",
+    "replay",
+    "replay_steps",
+    "steps_key",
+]
 
 _ALIGN = 16  # bytes: FA4 compiles its q/k/v/out tensors assuming this alignment
 _lock = threading.Lock()
+_COUNTS: dict[str, int] = {}  # "<pass> <what happened>" -> calls (see counts())
+
+
+def tally(what: str) -> None:
+    """Count one FA4 call under ``what`` (:func:`counts`)."""
+    _COUNTS[what] = _COUNTS.get(what, 0) + 1
+
+
+def counts() -> dict[str, int]:
+    """What this process's FA4 calls did so far, by pass: ``"forward replayed"``, ``"forward
+    recorded"`` (a first call whose launch is kept), ``"forward not replayable: <why>"`` (a first
+    call whose launch cannot be replayed), ``"forward misaligned"`` (an input not on a 16-byte
+    boundary: FA4 runs, nothing is recorded), the same for ``"backward"``; calls with replay off
+    or with sinks are not counted."""
+    return dict(_COUNTS)
 
 
 def enabled() -> bool:
@@ -102,7 +129,9 @@ def record(fwd: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, offsets: tu
 
     with _lock, _spying(type(cache), spy):
         result = fwd(q, k, v, **kwargs)
-    return result, _launch(seen, (q, k, v), result[0], result[1], offsets)
+    launch = _launch(seen, (q, k, v), result[0], result[1], offsets)
+    tally("forward recorded" if isinstance(launch, Launch) else f"forward not replayable: {launch}")
+    return result, launch if isinstance(launch, Launch) else None
 
 
 class _spying:
@@ -124,22 +153,26 @@ def _same(a: object, t: Tensor) -> bool:
     return isinstance(a, Tensor) and a.data_ptr() == t.data_ptr() and a.shape == t.shape and a.stride() == t.stride()
 
 
-def _launch(seen, inputs: tuple, out: Tensor, lse: Tensor | None, offsets: tuple) -> Launch | None:
-    if len(seen) != 1 or not out.is_contiguous() or (lse is not None and not lse.is_contiguous()):
-        return None
+def _launch(seen, inputs: tuple, out: Tensor, lse: Tensor | None, offsets: tuple) -> Launch | str:
+    """The replayable launch of a recorded forward, or why there is none."""
+    if len(seen) != 1:
+        return f"{len(seen)} launches"
+    if not out.is_contiguous() or (lse is not None and not lse.is_contiguous()):
+        return "non-contiguous out or lse"
     fn, args = seen[0]
     if len(args) < 5 or not all(_same(a, t) for a, t in zip(args[:3], inputs)) or not _same(args[3], out):
-        return None
+        return "launch arguments are not (q, k, v, out, ...)"
     if (lse is None) != (args[4] is None) or (lse is not None and not _same(args[4], lse)):
-        return None
+        return "launch arguments are not (q, k, v, out, lse, ...)"
     if any(isinstance(a, Tensor) and not any(a is o for o in offsets) for a in args[5:]):
-        return None  # a tensor FA4 made for this call (scheduler metadata, a copy)
+        return "a tensor made for this call"  # (scheduler metadata, a copy)
     lse_shape = None if lse is None else tuple(lse.shape)
     return Launch(fn, (None,) * 5 + tuple(args[5:]), tuple(out.shape), out.dtype, lse_shape)
 
 
 def replay(launch: Launch, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
     """``(out, lse)`` of the recorded kernel on ``q, k, v`` (same key as when recorded)."""
+    tally("forward replayed")
     out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = None if launch.lse_shape is None else torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
     tensors = [t.detach() if t.requires_grad else t for t in (q, k, v)]
@@ -220,7 +253,9 @@ def record_steps(fn: Callable[..., Any], inputs: tuple[Tensor, ...], offsets: tu
     with _lock, _spying(type(cache), spy), watch:
         result = fn(*inputs, **kwargs)
     outs = result if isinstance(result, tuple) else (result,)
-    return result, _program(events, inputs, offsets, outs)
+    program = _program(events, inputs, offsets, outs)
+    tally("backward recorded" if isinstance(program, Steps) else f"backward not replayable: {program}")
+    return result, program if isinstance(program, Steps) else None
 
 
 def _holds_tensor(obj: object, depth: int = 0) -> bool:
@@ -240,9 +275,10 @@ def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tuple) -> Steps | None:
+def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tuple) -> Steps | str:
+    """The replayable program of a recorded backward, or why there is none."""
     if any(_same(a, b) for i, a in enumerate(inputs) for b in inputs[i + 1 :]):
-        return None  # one tensor passed twice (v = k): its slot would stand for both next time
+        return "one tensor passed twice"  # (v = k): its slot would stand for both next time
     slots: list[Tensor] = list(inputs)  # tensors by slot (kept only while building)
     steps: list = []
     launched = False
@@ -271,11 +307,11 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
                         continue  # the spec's offsets: the same tensors on every call
                     where = slot_of(a)
                     if where is None:
-                        return None
+                        return "a launch argument of unknown origin"
                     fixed[pos] = None
                     (by_slot if len(where) == 1 else by_view).append((pos, *where))
                 elif _holds_tensor(a):
-                    return None
+                    return "a launch argument holding tensors"
             steps.append(("launch", kernel, tuple(fixed), tuple(by_slot), tuple(by_view)))
             launched = True
             continue
@@ -283,29 +319,30 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
         name = func.name()
         if name in _NEW or name in _NEW_ZEROED:
             if not isinstance(out, Tensor) or out.storage_offset() != 0 or out.device != inputs[0].device:
-                return None
+                return f"an allocation it cannot repeat ({name})"
             steps.append(("new", tuple(out.shape), out.stride(), out.dtype, name in _NEW_ZEROED))
             slots.append(out)
         elif name == "aten::zero_" or (name == "aten::fill_.Scalar" and args[1] == 0):
             where = slot_of(args[0])
             if where is None or len(where) != 1 or where[0] < len(inputs):
-                return None  # zeroing part of a buffer, or an input
+                return "zeroing part of a buffer, or an input"
             steps.append(("zero", where[0]))
         elif not func.is_view:
-            return None  # arithmetic or a copy: not a fixed program of launches
+            return f"a tensor op ({name})"  # arithmetic or a copy: not a fixed program of launches
     if not launched:
-        return None
+        return "no launch"
     out_slots = []
     for t in outs:
         where = None if not isinstance(t, Tensor) else slot_of(t)
         if where is None or len(where) != 1 or where[0] < len(inputs):
-            return None
+            return "an output that is not one of its allocations"
         out_slots.append(where[0])
     return Steps(tuple(steps), tuple(out_slots))
 
 
 def replay_steps(steps: Steps, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """The recorded program on new ``inputs`` (same key as when recorded): its outputs."""
+    tally("backward replayed")
     env: list[Tensor] = [t.detach() if t.requires_grad else t for t in inputs]
     device = inputs[0].device
     for step in steps.steps:
