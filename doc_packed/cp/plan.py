@@ -586,11 +586,6 @@ def _causal_pairs(n: int) -> int:
     return n * (n + 1) // 2 if n > 0 else 0
 
 
-def _causal_queries(target: int) -> int:
-    """The largest ``m >= 0`` with ``_causal_pairs(m) <= target`` (0 for a negative target)."""
-    return (math.isqrt(8 * target + 1) - 1) // 2 if target >= 0 else 0
-
-
 class _CausalPlanner(_Planner):
     """The planner for causal documents without window or prefix (what training runs): the mask
     arithmetic in closed form, the cuts by square root instead of bisection. The same answers
@@ -632,16 +627,22 @@ class _CausalPlanner(_Planner):
         return (p[1] + p[2] - 2 * p[3].start + 1) / 2
 
     def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
-        i0, i1 = a - doc.start, e - doc.start
+        # F(m) = m (m + 1) / 2 (_causal_pairs) and its inverse, the largest m with F(m) <= t, by an
+        # integer square root, written out with the clamps compared inline: the balance passes cut
+        # some 70 times a 4 x 32k layout (1.5 -> 0.5 us a cut)
+        start = doc.start
+        i0, i1 = a - start, e - start
         if tail:  # the smallest m in [i0, i1 - 1] with F(m) >= F(i1) - amount, as bisection finds
-            target = _causal_pairs(i1) - amount
-            m = _causal_queries(target)
-            if _causal_pairs(m) < target:
+            target = i1 * (i1 + 1) // 2 - amount
+            if target <= 0:  # the whole run (F(0) = 0 already reaches the target)
+                return a, e
+            m = (math.isqrt(8 * target + 1) - 1) // 2
+            if m * (m + 1) // 2 < target:
                 m += 1
-            return doc.start + min(max(m, i0), i1 - 1), e
-        # the largest m in [i0 + 1, i1] with F(m) <= F(i0) + amount
-        m = _causal_queries(_causal_pairs(i0) + amount)
-        return a, doc.start + min(max(m, i0 + 1), i1)
+            return start + (i0 if m < i0 else i1 - 1 if m >= i1 else m), e
+        # the largest m in [i0 + 1, i1] with F(m) <= F(i0) + amount (amount >= 1: the target is > 0)
+        m = (math.isqrt(8 * (i0 * (i0 + 1) // 2 + amount) + 1) - 1) // 2
+        return a, start + (i0 + 1 if m <= i0 else i1 if m > i1 else m)
 
 
 def _outside(s: int, e: int, lo: int, hi: int) -> int:
