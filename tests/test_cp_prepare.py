@@ -38,8 +38,7 @@ def test_plan_context_parallel_is_the_runtime_plan_and_a_value():
     [
         "cpu",
         pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")],
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
         ),
     ],
 )
@@ -77,7 +76,9 @@ def test_per_layout_host_time_does_not_depend_on_threads(run_ranks):
     path at default threads within 1.5x of one thread (it was 24-300x on 64 cores: torch CPU ops)."""
     results = run_ranks(layout_host_ms, 4, 4, 32768, 12)
     for rank, ((threads, default_ms), (_, one_ms)) in enumerate(results):
-        assert default_ms <= 1.5 * one_ms + 2.0, f"rank {rank}: {default_ms:.2f} ms at {threads} threads, {one_ms:.2f} at 1"
+        assert default_ms <= 1.5 * one_ms + 2.0, (
+            f"rank {rank}: {default_ms:.2f} ms at {threads} threads, {one_ms:.2f} at 1"
+        )
 
 
 def test_first_call_of_a_layout_is_timed_apart(run_ranks):
@@ -146,7 +147,9 @@ def test_warm_up_runs_every_op_kind_of_the_runtime(run_ranks):
         assert runtime <= warm, (rank, sorted(runtime - warm, key=str))
 
 
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (100, 0)), (False, (-1, -1)), (False, (50, 30)), (False, (-1, 20))])
+@pytest.mark.parametrize(
+    "causal,window", [(True, (-1, -1)), (True, (100, 0)), (False, (-1, -1)), (False, (50, 30)), (False, (-1, 20))]
+)
 def test_no_kernel_kind_beyond_the_warm_up(causal, window):
     """FA4 stand-in on CPU: over 50 random layouts and CP 2-8, every kernel call of every rank's
     schedule is of a kind (FA4 4.0.0b36's compile facts) the warm-up built."""
@@ -169,6 +172,28 @@ def test_no_kernel_kind_beyond_the_warm_up(causal, window):
                     seen.add(facts)
     assert seen <= warmed, seen - warmed
     assert len(seen) >= 2  # the layouts did produce several kinds
+
+
+def test_device_offsets_start_on_16_bytes():
+    """FA4's backward copies offsets that do not start on a 16-byte boundary (a copy per call,
+    and the call is then never replayed): every spec's device offsets, a context-parallel
+    schedule's (views of its one index copy) and a local spec's (one copy of both), start on one,
+    whatever the number of segments before them."""
+    rng = random.Random(7)
+    for _ in range(20):
+        S = rng.choice([512, 2048])
+        lengths = [dp.data.lognormal_lengths(S, rng.choice([8, 64, 300]), rng) for _ in range(rng.choice([1, 2, 3]))]
+        cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=max(map(len, lengths)) + rng.randrange(4))
+        layout = get_layout(cu, S)
+        c = rng.choice([2, 3, 4])
+        plan = runtime_plan(layout, c, True, -1, 0, 2.0)
+        schedules = [build_schedule(plan, r, torch.device("cpu")) for r in range(c)]
+        specs = [call.spec for sch in schedules for call in (*sch.stage_a, *sch.stage_b)]
+        specs.append(dp.ops.local_spec(layout, True, -1, 0))
+        for spec in specs:
+            for t in spec.cu_tensors(torch.device("cpu")):
+                assert t.dtype == torch.int32 and t.storage_offset() * 4 % 16 == 0, (spec, t.storage_offset())
+        assert len(specs) > c
 
 
 def test_fa4_bounds_never_under_a_tile():

@@ -36,6 +36,7 @@ import torch
 
 from .._host import queue_to
 from ..kernels import VarlenSpec
+from ..kernels.spec import OFFSETS_ALIGN
 from .plan import ContextParallelPlan, chunk_len
 
 __all__ = ["Call", "RankSchedule", "build_schedule", "call_masks"]
@@ -222,7 +223,12 @@ class _Indices:
         return len(self.slots) - 1
 
     def add_offsets(self, values: Sequence[int]) -> int:
-        """A slot holding ``values`` as int32."""
+        """A slot holding ``values`` as int32, starting on a 16-byte boundary (FA4 copies
+        offsets that do not: :data:`~doc_packed.kernels.spec.OFFSETS_ALIGN`)."""
+        gap = -self.size[torch.int32] % OFFSETS_ALIGN
+        if gap:
+            self.offsets.extend([0] * gap)
+            self.size[torch.int32] += gap
         self.offsets.extend(values)
         return self._slot(torch.int32, len(values))
 

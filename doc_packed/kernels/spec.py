@@ -24,6 +24,11 @@ import torch
 
 from .._host import queue_to
 
+# int32 elements (16 bytes) each device offsets tensor starts on: FA4's backward copies offsets
+# that start elsewhere (flash_attn.cute's maybe_contiguous), a copy per call that also keeps the
+# call from being replayed (kernels.fa4_launch)
+OFFSETS_ALIGN = 4
+
 
 class Variant(NamedTuple):
     """What a call asks of a kernel beyond its :class:`VarlenSpec` (the mask, prefixes included):
@@ -106,11 +111,13 @@ class VarlenSpec:
 
     def cu_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu_q, cu_k)`` as int32 tensors on ``device``: one copy of both, queued from pinned
-        memory on CUDA (a plain copy would wait for the device's queue: a sync per new layout)."""
+        memory on CUDA (a plain copy would wait for the device's queue: a sync per new layout),
+        each starting on a 16-byte boundary (:data:`OFFSETS_ALIGN`)."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            both = queue_to(np.asarray(self.cu_q + self.cu_k, dtype=np.int32), device)
-            return both[: len(self.cu_q)], both[len(self.cu_q) :]
+            gap = -len(self.cu_q) % OFFSETS_ALIGN
+            both = queue_to(np.asarray([*self.cu_q, *[0] * gap, *self.cu_k], dtype=np.int32), device)
+            return both[: len(self.cu_q)], both[len(self.cu_q) + gap :]
 
         return self.cached(("cu", device), build)
 
