@@ -114,11 +114,10 @@ def post_point_to_point(
     dist = torch.distributed
     key = (pg, device.type)
     native = _coalesces.get(key)
-    if native is None:
-        backend = pg._get_backend(device)
+    if native is None:  # batch_isend_irecv's own test, then the names this path needs
         native = _coalesces[key] = (
             type(pg) is dist.ProcessGroup
-            and bool(getattr(backend, "supports_coalescing", False))
+            and bool(getattr(pg._get_backend(device), "supports_coalescing", False))
             and hasattr(pg, "_start_coalescing")
             and hasattr(pg, "_end_coalescing")
         )
