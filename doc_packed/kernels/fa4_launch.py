@@ -14,7 +14,8 @@ one (split-KV and its combine), or a launch whose arguments are not exactly (q, 
 first and otherwise only the spec's offsets and values (FA4's own scheduler metadata, a copy FA4
 made of a non-contiguous input), or an entry point without FA4's ``compile_cache``. Sinks are not replayed (their float32 copy is made per call).
 ``DOC_PACKED_FA4_REPLAY=0`` turns replay off. FA4's arguments are private to it: a release that
-reorders them fails the checks and is simply not replayed.
+reorders them fails the checks and is simply not replayed. What each call did (replayed, recorded,
+refused and why) is counted: :func:`counts`.
 
 The backward (``_flash_attn_bwd``: ~80 us of Python around five launches, a preprocess, the main
 kernel and three conversions, on torch scratch it allocates and partly zeroes) is recorded as a
@@ -43,7 +44,6 @@ __all__ = [
     "Launch",
     "Steps",
     "counts",
-    "tally",
     "enabled",
     "key",
     "record",
@@ -51,6 +51,7 @@ __all__ = [
     "replay",
     "replay_steps",
     "steps_key",
+    "tally",
 ]
 
 _ALIGN = 16  # bytes: FA4 compiles its q/k/v/out tensors assuming this alignment
