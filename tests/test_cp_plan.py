@@ -258,6 +258,49 @@ def test_closed_form_causal_planner_cuts_where_bisection_does(monkeypatch):
                 assert (a.segments, a.work, a.extra_rows) == (b.segments, b.work, b.extra_rows)
 
 
+@pytest.mark.parametrize("left", [0, 5, 300, 4095])
+def test_closed_form_window_planner_cuts_where_bisection_does(monkeypatch, left):
+    """Causal masks with a left window plan in closed form too (a triangle up to the window's
+    fill, a line after it): the very same plans as the general planner's bisection."""
+    from doc_packed.cp import plan as cp_plan
+
+    layouts = _realistic_layouts(3)
+    for c in (2, 5):
+        fast = [cp_plan.build_plan(lay, c, True, left, 0, query_cost=4.0, row_cost=ROW_COST) for lay in layouts]
+        with monkeypatch.context() as m:
+            m.setattr(cp_plan, "_WindowPlanner", cp_plan._Planner)
+            slow = [cp_plan.build_plan(lay, c, True, left, 0, query_cost=4.0, row_cost=ROW_COST) for lay in layouts]
+        for a, b in zip(fast, slow):
+            assert (a.segments, a.work, a.extra_rows) == (b.segments, b.work, b.extra_rows)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.data(),
+    length=st.integers(1, 3000),
+    left=st.one_of(st.integers(0, 40), st.integers(0, 4000)),
+    start=st.integers(0, 10_000),
+    tail=st.booleans(),
+)
+def test_window_cut_is_the_bisection_cut(data, length, left, start, tail):
+    """_WindowPlanner's cut, work and key range against the general planner's, run by run."""
+    from doc_packed.cp import plan as cp_plan
+
+    fast, slow = object.__new__(cp_plan._WindowPlanner), object.__new__(cp_plan._Planner)
+    for p in (fast, slow):
+        p.causal, p.left, p.right = True, left, 0
+    doc = cp_plan._Doc(start, start + length)
+    i0 = data.draw(st.integers(0, length - 1))
+    i1 = data.draw(st.integers(i0 + 1, length))
+    a, e = start + i0, start + i1
+    work = slow._work(doc, a, e)
+    amount = data.draw(st.integers(1, work + 1))
+    assert fast._work(doc, a, e) == work
+    assert fast._key_range(doc, a, e) == slow._key_range(doc, a, e)
+    assert fast._density([0, a, e, doc, 0]) == slow._density([0, a, e, doc, 0])
+    assert fast._cut(doc, a, e, amount, tail) == slow._cut(doc, a, e, amount, tail)
+
+
 def test_replans_skipped_only_where_none_could_be_kept(monkeypatch):
     """When the pairs-only plan's priced rows differ across ranks by less than the margin, the
     row-priced re-plans are not run; running them anyway never gives another plan."""

@@ -645,6 +645,89 @@ class _CausalPlanner(_Planner):
         return a, start + (i0 + 1 if m <= i0 else i1 if m > i1 else m)
 
 
+class _WindowPlanner(_Planner):
+    """The planner for causal documents with a left window ``W`` and no prefix. Query ``i``
+    sees keys ``[max(0, i - W), i]``, so the first ``n`` queries hold
+    ``F(n) = n (n + 1) / 2`` pairs up to ``K = W + 1`` and ``F(K) + (n - K) K`` past it (every
+    later query sees ``K`` keys). The mask arithmetic is in closed form, and so are the cuts: a
+    square root while ``F`` is a triangle, a division where it is linear. The same answers as
+    :class:`_Planner` to the token (tests/test_cp_plan.py holds them equal)."""
+
+    def _prefix(self, doc: _Doc, n: int) -> int:
+        k = self.left + 1
+        if n <= k:
+            return n * (n + 1) // 2 if n > 0 else 0
+        return k * (2 * n - k + 1) // 2  # F(K) + (n - K) K
+
+    def _work(self, doc: _Doc, a: int, e: int) -> int:
+        k, start = self.left + 1, doc.start
+        i0, i1 = a - start, e - start
+        if i0 >= k:  # the whole run past the window's fill: K pairs a query
+            return (i1 - i0) * k
+        f0 = i0 * (i0 + 1) // 2
+        return (i1 * (i1 + 1) // 2 if i1 <= k else k * (2 * i1 - k + 1) // 2) - f0
+
+    def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
+        ks = a - self.left
+        return (ks if ks > doc.start else doc.start), e
+
+    def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
+        # the base class's rows, as _CausalPlanner's, for the runs inside one shard, with the keys
+        # starting at the window's reach (_key_range) instead of the document's start
+        os_, oe, cs, left = *self.owned[r], self.cs, self.left
+        q = k = m = 0
+        rest = []
+        for run in runs:
+            a, e, start = run[1], run[2], run[3].start
+            ks = a - left
+            if ks < start:
+                ks = start
+            if os_ <= a and e <= oe:
+                if ks < os_:
+                    q, k, m = q + e - a, k + os_ - ks, m + e - a
+            elif a // cs == (e - 1) // cs:
+                q, k = q + e - a, k + e - ks
+            else:
+                rest.append(run)
+        rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
+        return q + rq, k + rk, m + rm
+
+    def _density(self, p: list) -> float:
+        # the base class's (pairs / queries, the same int over the same int) without the call
+        a, e, k, start = p[1], p[2], self.left + 1, p[3].start
+        i0, i1 = a - start, e - start
+        if i0 >= k:
+            return (i1 - i0) * k / (e - a)
+        f1 = i1 * (i1 + 1) // 2 if i1 <= k else k * (2 * i1 - k + 1) // 2
+        return (f1 - i0 * (i0 + 1) // 2) / (e - a)
+
+    def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
+        # the base class's bisection answers with F's inverse: below F(K) = K (K + 1) / 2 the
+        # largest m with m (m + 1) / 2 <= t is an integer square root (as _CausalPlanner's),
+        # from F(K) on F rises by K a query
+        k, start = self.left + 1, doc.start
+        fk = k * (k + 1) // 2
+        i0, i1 = a - start, e - start
+        if tail:  # the smallest m in [i0, i1 - 1] with F(m) >= F(i1) - amount, as bisection finds
+            target = (i1 * (i1 + 1) // 2 if i1 <= k else k * (2 * i1 - k + 1) // 2) - amount
+            if target <= 0:  # the whole run (F(0) = 0 already reaches the target)
+                return a, e
+            if target <= fk:
+                m = (math.isqrt(8 * target + 1) - 1) // 2
+                if m * (m + 1) // 2 < target:
+                    m += 1
+            else:
+                m = k - (fk - target) // k  # K + ceil((target - F(K)) / K)
+            return start + (i0 if m < i0 else i1 - 1 if m >= i1 else m), e
+        # the largest m in [i0 + 1, i1] with F(m) <= F(i0) + amount
+        target = (i0 * (i0 + 1) // 2 if i0 <= k else k * (2 * i0 - k + 1) // 2) + amount
+        if target < fk:
+            m = (math.isqrt(8 * target + 1) - 1) // 2
+        else:
+            m = k + (target - fk) // k
+        return a, start + (i0 + 1 if m <= i0 else i1 if m > i1 else m)
+
+
 def _outside(s: int, e: int, lo: int, hi: int) -> int:
     """Positions of ``[s, e)`` outside ``[lo, hi)`` (ints compared inline, not by min/max: it runs
     per run and per key range of every plan)."""
@@ -687,7 +770,9 @@ def build_plan(
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     query_cost = check_cost("query_cost", query_cost)  # the moves' pruning needs it >= 0
 
-    kind = _CausalPlanner if causal and left < 0 and prefixes is None else _Planner
+    kind = _Planner
+    if causal and prefixes is None:
+        kind = _CausalPlanner if left < 0 else _WindowPlanner
     start = kind(layout.rows, layout.seq_len, cp_size, causal, left, right, query_cost, tolerance, prefixes)
 
     def planner(offsets: list[int] | None = None, last: bool = False) -> _Planner:
