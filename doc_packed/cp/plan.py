@@ -603,19 +603,23 @@ class _CausalPlanner(_Planner):
         return doc.start, e
 
     def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
-        # the base class's rows with causal key ranges (the document's start to the part's end)
-        # for the runs inside one shard: inside rank r's, a run sees remote keys only when its
-        # document starts before the shard; inside another's, it sees all its keys remotely
-        os_, oe, cs = *self.owned[r], self.cs
+        # the base class's rows with causal key ranges (from the document's start, or from the
+        # window's reach for _WindowPlanner, to the part's end) for the runs inside one shard:
+        # inside rank r's, a run sees remote keys only when its keys start before the shard;
+        # inside another's, it sees all its keys remotely
+        os_, oe, cs, left = *self.owned[r], self.cs, self.left
         q = k = m = 0
         rest = []
         for run in runs:
             a, e, start = run[1], run[2], run[3].start
+            ks = a - left if left >= 0 else start
+            if ks < start:
+                ks = start
             if os_ <= a and e <= oe:
-                if start < os_:
-                    q, k, m = q + e - a, k + os_ - start, m + e - a
+                if ks < os_:
+                    q, k, m = q + e - a, k + os_ - ks, m + e - a
             elif a // cs == (e - 1) // cs:
-                q, k = q + e - a, k + e - start
+                q, k = q + e - a, k + e - ks
             else:
                 rest.append(run)
         rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
@@ -645,12 +649,13 @@ class _CausalPlanner(_Planner):
         return a, start + (i0 + 1 if m <= i0 else i1 if m > i1 else m)
 
 
-class _WindowPlanner(_Planner):
+class _WindowPlanner(_CausalPlanner):
     """The planner for causal documents with a left window ``W`` and no prefix. Query ``i``
     sees keys ``[max(0, i - W), i]``, so the first ``n`` queries hold
     ``F(n) = n (n + 1) / 2`` pairs up to ``K = W + 1`` and ``F(K) + (n - K) K`` past it (every
     later query sees ``K`` keys). The mask arithmetic is in closed form, and so are the cuts: a
-    square root while ``F`` is a triangle, a division where it is linear. The same answers as
+    square root while ``F`` is a triangle, a division where it is linear; the extra rows are
+    :class:`_CausalPlanner`'s, keys starting at the window's reach. The same answers as
     :class:`_Planner` to the token (tests/test_cp_plan.py holds them equal)."""
 
     def _prefix(self, doc: _Doc, n: int) -> int:
@@ -670,27 +675,6 @@ class _WindowPlanner(_Planner):
     def _key_range(self, doc: _Doc, a: int, e: int) -> tuple[int, int]:
         ks = a - self.left
         return (ks if ks > doc.start else doc.start), e
-
-    def _extra_rows(self, r: int, runs: list[list]) -> tuple[int, int, int]:
-        # the base class's rows, as _CausalPlanner's, for the runs inside one shard, with the keys
-        # starting at the window's reach (_key_range) instead of the document's start
-        os_, oe, cs, left = *self.owned[r], self.cs, self.left
-        q = k = m = 0
-        rest = []
-        for run in runs:
-            a, e, start = run[1], run[2], run[3].start
-            ks = a - left
-            if ks < start:
-                ks = start
-            if os_ <= a and e <= oe:
-                if ks < os_:
-                    q, k, m = q + e - a, k + os_ - ks, m + e - a
-            elif a // cs == (e - 1) // cs:
-                q, k = q + e - a, k + e - ks
-            else:
-                rest.append(run)
-        rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
-        return q + rq, k + rk, m + rm
 
     def _density(self, p: list) -> float:
         # the base class's (pairs / queries, the same int over the same int) without the call
