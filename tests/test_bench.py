@@ -45,8 +45,8 @@ DRY_RUNS = {
     "measure_doc_cost": ([], False, False),
 }
 # scripts without a CPU dry run yet: what they measure is FA4's own entry points (bench_gqa_rows,
-# bench_host_layers) or CUDA rates (measure_rates), with nothing on CPU to stand in
-NO_DRY_RUN_YET = {"bench_gqa_rows", "bench_host_layers", "measure_rates"}
+# bench_host_layers, bench_first_call) or CUDA rates (measure_rates), with nothing on CPU to stand in
+NO_DRY_RUN_YET = {"bench_first_call", "bench_gqa_rows", "bench_host_layers", "measure_rates"}
 
 
 def _scripts() -> set[str]:

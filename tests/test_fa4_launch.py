@@ -25,8 +25,8 @@ class _JITCache(dict):
 
 def _kernel(q, k, v, out, lse, scale, cu_q, cu_k, *rest):
     """A deterministic stand-in 'attention' reading every input (and the offsets)."""
-    w = (cu_k[1:] - cu_k[:-1]).float().sum()
-    out.copy_(q * scale + k.mean(1, keepdim=True).expand_as(q) + v.sum() + w)
+    w = (cu_q.float() * 1e-3).sum() + (cu_k.float() * 1e-2).sum()  # the offsets' values, not only T
+    out.copy_(q * scale + k.mean((0, 1)) + v.sum() + w)
     if lse is not None:
         lse.copy_((q.sum(-1) * scale).t())
 
@@ -148,6 +148,141 @@ def test_forward_records_once_per_spec_and_key_then_skips_fa4s_python(monkeypatc
     monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
     fa4.forward(spec, q, k, v, 0.5)
     assert calls["python"] == 6
+
+
+# ----------------------------------------------------------------------------- across layouts
+
+
+def _layout(seed: int, T_q: int = 64):
+    """A random layout of one kind: causal, 1-6 segments over T_q queries and a key count of
+    its own (as a context-parallel call's received keys), and fresh q/k/v on those lengths."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 7, (1,), generator=g))
+    T_k = int(torch.randint(T_q, 2 * T_q, (1,), generator=g))
+    cut_q = sorted(torch.randperm(T_q - 1, generator=g)[: n - 1].add(1).tolist())
+    cut_k = sorted(torch.randperm(T_k - 1, generator=g)[: n - 1].add(1).tolist())
+    spec = VarlenSpec([0, *cut_q, T_q], [0, *cut_k, T_k], True, -1, 0)
+    q, k, v = (torch.randn(T, 4, 8, generator=g) for T in (T_q, T_k, T_k))
+    return spec, q, k, v
+
+
+@pytest.fixture
+def adopting(monkeypatch):
+    """fa4.forward on the CPU stand-in as on Hopper (adoption on), with no kinds learnt yet."""
+    monkeypatch.setattr(fa4, "_adopts", lambda q: True)
+    monkeypatch.setattr(fa4, "_FORMS", {})
+
+
+def test_a_layouts_first_forward_is_adopted_once_two_layouts_agreed(monkeypatch, adopting):
+    """Two layouts record the same launch; every later layout's first call (new offsets, a new
+    key count) launches it without FA4's Python and gives what FA4 gives."""
+    fwd, calls = _fake_fa4()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    before = fa4_launch.counts()
+    for seed in range(8):
+        spec, q, k, v = _layout(seed)
+        python = calls["python"]
+        out, lse = fa4.forward(spec, q, k, v, 0.5)
+        assert calls["python"] == python + (seed < 2)  # FA4's Python for the first two layouts only
+        ref_out, ref_lse, *_ = fwd(q, k, v, **fa4._args(spec, q, 0.5), return_lse=True)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        q2 = torch.randn_like(q)  # the spec's own launch now
+        again, _ = fa4.forward(spec, q2, k, v, 0.5)
+        assert torch.equal(again, fwd(q2, k, v, **fa4._args(spec, q, 0.5), return_lse=True)[0])
+    after = fa4_launch.counts()
+    assert after.get("forward adopted", 0) - before.get("forward adopted", 0) == 6
+    assert after.get("forward recorded", 0) - before.get("forward recorded", 0) == 2
+    assert after.get("forward replayed", 0) - before.get("forward replayed", 0) == 8
+
+
+def _fake_fa4_by_length(threshold: int):
+    """A stand-in whose compiled kernel depends on the longest segment (as Blackwell's takes
+    max_seqlen_q): one object below ``threshold``, another above."""
+    fwd, calls = _fake_fa4()
+    cache = fwd.compile_cache
+
+    def by_length(q, k, v, *, cu_seqlens_q, cu_seqlens_k, softmax_scale, return_lse, max_seqlen_q, **_):
+        calls["python"] += 1
+        key = (max_seqlen_q > threshold, return_lse)
+        if key not in cache:
+            dict.__setitem__(cache, key, lambda *a: _kernel(*a))
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0]) if return_lse else None
+        cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None)
+        return out, lse, None, None, None
+
+    by_length.compile_cache = cache  # type: ignore[attr-defined]
+    return by_length, calls
+
+
+def test_a_kind_whose_layouts_launched_different_kernels_is_never_adopted(monkeypatch, adopting):
+    fwd, calls = _fake_fa4_by_length(threshold=fa4.MAX_SEQLEN_FLOOR)
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    short = VarlenSpec([0, 32, 64], [0, 40, 80], True, -1, 0)
+    long = VarlenSpec([0, 300], [0, 310], True, -1, 0)
+    for spec in (short, long):
+        fa4.forward(spec, torch.randn(spec.total_q, 4, 8), *(torch.randn(spec.total_k, 4, 8) for _ in "kv"), 0.5)
+    assert calls["python"] == 2 and list(fa4._FORMS.values()) == [None]  # they disagreed
+    for seed in range(3):
+        spec, q, k, v = _layout(seed)
+        out, lse = fa4.forward(spec, q, k, v, 0.5)
+        assert calls["python"] == 3 + 2 * seed  # not adopted: FA4 ran (then the reference)
+        ref_out, *_ = fwd(q, k, v, **fa4._args(spec, q, 0.5), return_lse=True)
+        assert torch.equal(out, ref_out)
+
+
+def test_a_refused_recording_ends_adoption_for_its_kind(monkeypatch, adopting):
+    fwd, calls = _fake_fa4()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    for seed in range(2):
+        spec, q, k, v = _layout(seed)
+        fa4.forward(spec, q, k, v, 0.5)
+    refusing, _ = _fake_fa4(extra_tensor=True)
+    monkeypatch.setattr(fa4, "_interface", lambda: (refusing, None))
+    spec, q, k, v = _layout(2)
+    fa4.forward(spec, q, k, v, 0.5)  # adopted: FA4 does not run, so nothing is learnt
+    assert calls["python"] == 2
+    kind = next(iter(fa4._FORMS))
+    fa4._learn(kind, None)  # what a refused recording of the kind reports
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    spec, q, k, v = _layout(3)
+    fa4.forward(spec, q, k, v, 0.5)
+    assert calls["python"] == 3 and fa4._FORMS[kind] is None
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(causal=False, left=-1, right=-1),  # another mask class
+        dict(causal=True, left=16, right=0),  # a window: its sizes are kernel arguments
+        dict(scale=0.25),
+        dict(dtype=torch.float64),
+        dict(heads=2),
+    ],
+)
+def test_adoption_stays_within_a_kind(monkeypatch, adopting, other):
+    fwd, calls = _fake_fa4()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    for seed in range(2):
+        spec, q, k, v = _layout(seed)
+        fa4.forward(spec, q, k, v, 0.5)
+    spec, q, k, v = _layout(2)
+    mask = {n: other.get(n, getattr(spec, n)) for n in ("causal", "left", "right")}
+    spec = VarlenSpec(spec.cu_q, spec.cu_k, mask["causal"], mask["left"], mask["right"])
+    dtype, heads = other.get("dtype", q.dtype), other.get("heads", 4)
+    q, k, v = (t[:, :heads].to(dtype) for t in (q, k, v))
+    fa4.forward(spec, q, k, v, other.get("scale", 0.5))
+    assert calls["python"] == 3  # another kind: FA4 runs and records
+
+
+def test_no_adoption_off_hopper(monkeypatch):
+    """On the CPU (as on Blackwell, whose forward takes max_seqlen_q) every layout records."""
+    monkeypatch.setattr(fa4, "_FORMS", {})
+    fwd, calls = _fake_fa4()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    for seed in range(4):
+        fa4.forward(*_layout(seed), 0.5)
+    assert calls["python"] == 4 and fa4._FORMS == {}
 
 
 # ----------------------------------------------------------------------------- backward programs

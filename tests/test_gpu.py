@@ -181,6 +181,44 @@ def test_fa4_launch_replay_is_bitwise_a_full_call(case, monkeypatch):
             assert rel(a, b) <= max(1e-3, 2 * rel(c, b))
 
 
+def _cp_call_spec(rng: random.Random, T_q: int, window: tuple[int, int]):
+    """A context-parallel-shaped call: ``T_q`` queries and a key count of its own, in 1-300
+    pieces (some empty), bottom-right aligned."""
+    from doc_packed.kernels.spec import VarlenSpec
+
+    n = rng.choice([1, 2, 7, 40, 255, 300])
+    T_k = rng.randrange(T_q // 2, 3 * T_q)
+    cut = lambda T: sorted(rng.randrange(0, T + 1) for _ in range(n - 1))  # noqa: E731
+    return VarlenSpec([0, *cut(T_q), T_q], [0, *cut(T_k), T_k], window == (-1, 0), *window)
+
+
+@needs_fa4
+@pytest.mark.parametrize("window", [(-1, 0), (300, 0), (-1, -1)])
+def test_fa4_adopted_forward_is_bitwise_a_full_call(window, monkeypatch):
+    """A layout's first forward launched from other layouts' recordings
+    (doc_packed/kernels/fa4.py, fa4_launch.adopt) gives bitwise what FA4's full Python path
+    gives, over many layouts of several kinds (segment counts past MANY_SEGMENTS, masks)."""
+    from doc_packed.kernels import fa4, fa4_launch
+
+    if not fa4._adopts(torch.empty(1, device="cuda")):
+        pytest.skip(f"adoption is on for Hopper and FA4 {fa4._ADOPT_RELEASES} only (FA4 {fa4._release()})")
+    monkeypatch.setattr(fa4, "_FORMS", {})
+    rng, T_q, scale = random.Random(7), 4096, 128**-0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    before = fa4_launch.counts()
+    for i in range(30):
+        spec = _cp_call_spec(rng, T_q, window)
+        mk = lambda T, h: torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v = mk(T_q, 16), mk(spec.total_k, 4), mk(spec.total_k, 4)
+        monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "1")
+        out, lse = fa4.forward(spec, q, k, v, scale)
+        monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
+        ref_out, ref_lse = fa4.forward(spec, q, k, v, scale)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), (i, len(spec.cu_q) - 1, spec.total_k)
+    adopted = fa4_launch.counts().get("forward adopted", 0) - before.get("forward adopted", 0)
+    assert adopted >= 15, fa4_launch.counts()
+
+
 @needs_fa4
 def test_fa4_replay_through_the_op_with_gradients(monkeypatch):
     """Training-shaped use: the same layout every layer, new data; replayed forwards give the

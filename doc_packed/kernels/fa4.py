@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -265,12 +266,21 @@ def forward(
         kwargs["softcap"] = softcap
     if sinks is not None:
         kwargs["learnable_sink"] = sinks.float()
-    if launch is _UNSEEN:  # the first call with this key: FA4 runs, and its launch is recorded
-        assert launches is not None
+    if launch is _UNSEEN:  # the first call with this key: another layout's launch, or FA4 runs and is recorded
+        assert launches is not None and key is not None
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        kind = _kind(spec, key, q)
+        form = _FORMS.get(kind) if kind is not None else None
+        if isinstance(form, _Form) and form.agreed >= _AGREE:
+            launch = fa4_launch.adopt(form.template, q, v, offsets, need_lse)
+            if len(launches) < _MAX_LAUNCHES:
+                launches[key] = launch
+            return fa4_launch.replay(launch, q, k, v, "forward adopted")
         (out, lse, *_), launch = fa4_launch.record(fwd, q, k, v, offsets, kwargs)
         if len(launches) < _MAX_LAUNCHES:
             launches[key] = launch
+        if kind is not None:
+            _learn(kind, None if launch is None else fa4_launch.template(launch, offsets))
         return out, lse
     out, lse, *_ = fwd(q, k, v, **kwargs)
     return out, lse
@@ -278,6 +288,78 @@ def forward(
 
 _UNSEEN = object()
 _MAX_LAUNCHES = 16  # per spec (shapes, dtypes, scales seen with one layout)
+
+# A layout's first forward launched from another layout's recording (fa4_launch.adopt): on
+# Hopper, FA4 4.0.0b36's compiled forward takes no argument that depends on the layout but the
+# offsets (no max_seqlen; the grid follows from the tensors' shapes inside the compiled call),
+# and which kernel it compiles follows from compile_facts with MAX_SEQLEN_FLOOR applied. A
+# kind is trusted once _AGREE recordings (different specs) launched the same kernel with the
+# same other arguments; one that disagrees ends adoption for the kind for good. Agreement
+# catches a layout argument, not a kernel chosen by a layout the first recordings did not
+# show, so adoption is on only where the source was read and the result checked bitwise on the
+# GPU (tests/test_gpu.py): Hopper, with the FA4 releases below. Blackwell's forward takes
+# max_seqlen_q as an argument: no adoption there.
+_ADOPT_ARCHS = (9,)
+_ADOPT_RELEASES = ("4.0.0b36",)
+_AGREE = 2
+_MAX_KINDS = 64
+
+
+class _Form:
+    """A kind's template and how many recordings agreed with it."""
+
+    __slots__ = ("agreed", "template")
+
+    def __init__(self, template: fa4_launch.Template):
+        self.template, self.agreed = template, 1
+
+
+_FORMS: dict[tuple, _Form | None] = {}  # kind -> its form, None once recordings disagreed
+
+
+def _kind(spec: VarlenSpec, key: tuple, q: Tensor) -> tuple | None:
+    """What selects a forward's kernel and every argument but the tensors: the replay key less
+    the tensors' lengths (rows), the spec's compile facts and window; None where adoption is
+    off (not Hopper, or a call FA4 launches nothing for)."""
+    facts = compile_facts(spec)
+    if facts is None or not _adopts(q):
+        return None
+    _, qs, qst, ks, kst, vs, vst, *rest = key
+    return (qs[1:], qst, ks[1:], kst, vs[1:], vst, *rest, facts, window(spec))
+
+
+def _adopts(q: Tensor) -> bool:
+    """Whether forwards on ``q``'s device may be adopted across layouts (:data:`_ADOPT_ARCHS`,
+    :data:`_ADOPT_RELEASES`; ``DOC_PACKED_FA4_ADOPT=0`` turns it off)."""
+    if q.device.type != "cuda" or os.environ.get("DOC_PACKED_FA4_ADOPT", "1") == "0":
+        return False
+    if _release() not in _ADOPT_RELEASES:
+        return False
+    return _capability(q.device.index if q.device.index is not None else 0)[0] in _ADOPT_ARCHS
+
+
+@functools.cache
+def _release() -> str | None:
+    """The installed FA4's version (None: unknown)."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _learn(kind: tuple, template: fa4_launch.Template | None) -> None:
+    """Count a recording of ``kind`` for or against its form (None: a first call that could not
+    be replayed, so FA4 did something else for this layout: the kind is never adopted)."""
+    if kind not in _FORMS:
+        if len(_FORMS) < _MAX_KINDS:
+            _FORMS[kind] = None if template is None else _Form(template)
+        return
+    form = _FORMS[kind]
+    if form is not None:
+        if template is not None and fa4_launch.same_form(form.template, template):
+            form.agreed += 1
+        else:
+            _FORMS[kind] = None
 
 
 def backward(

@@ -17,6 +17,13 @@ made of a non-contiguous input), or an entry point without FA4's ``compile_cache
 reorders them fails the checks and is simply not replayed. What each call did (replayed, recorded,
 refused and why) is counted: :func:`counts`.
 
+A layout's first call can skip FA4's Python too (:func:`template`, :func:`adopt`): where FA4's
+compiled forward takes nothing of the layout but its offsets (Hopper, 4.0.0b36: the kernel and
+every other argument follow from the mask's class and the shapes' per-row parts, see
+``kernels.fa4.compile_facts``), a launch recorded for one layout is launched for another of the
+same kind with that layout's offsets and its own q/k/v, out and lse. The caller decides which
+calls share a kind and trusts a kind only once several layouts recorded the same launch.
+
 The backward (``_flash_attn_bwd``: ~80 us of Python around five launches, a preprocess, the main
 kernel and three conversions, on torch scratch it allocates and partly zeroes) is recorded as a
 :class:`Steps` program (:func:`record_steps`, :func:`replay_steps`): FA4 runs once under a
@@ -43,6 +50,8 @@ from .. import _compat
 __all__ = [
     "Launch",
     "Steps",
+    "Template",
+    "adopt",
     "counts",
     "enabled",
     "key",
@@ -50,8 +59,10 @@ __all__ = [
     "record_steps",
     "replay",
     "replay_steps",
+    "same_form",
     "steps_key",
     "tally",
+    "template",
 ]
 
 _ALIGN = 16  # bytes: FA4 compiles its q/k/v/out tensors assuming this alignment
@@ -69,7 +80,8 @@ def counts() -> dict[str, int]:
     recorded"`` (a first call whose launch is kept), ``"forward not replayable: <why>"`` (a first
     call whose launch cannot be replayed), ``"forward misaligned"`` (an input not on a 16-byte
     boundary: FA4 runs, nothing is recorded), the same for ``"backward"``; calls with replay off
-    or with sinks are not counted."""
+    or with sinks are not counted; ``"forward adopted"``: a layout's first call launched from
+    another layout's recording (:func:`adopt`)."""
     return dict(_COUNTS)
 
 
@@ -171,14 +183,61 @@ def _launch(seen, inputs: tuple, out: Tensor, lse: Tensor | None, offsets: tuple
     return Launch(fn, (None,) * 5 + tuple(args[5:]), tuple(out.shape), out.dtype, lse_shape)
 
 
-def replay(launch: Launch, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-    """``(out, lse)`` of the recorded kernel on ``q, k, v`` (same key as when recorded)."""
-    tally("forward replayed")
+def replay(
+    launch: Launch, q: Tensor, k: Tensor, v: Tensor, what: str = "forward replayed"
+) -> tuple[Tensor, Tensor | None]:
+    """``(out, lse)`` of the recorded kernel on ``q, k, v`` (same key as when recorded); the
+    call is counted under ``what``."""
+    tally(what)
     out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = None if launch.lse_shape is None else torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
     tensors = [t.detach() if t.requires_grad else t for t in (q, k, v)]
     launch.fn(*tensors, out, lse, *launch.args[5:])
     return out, lse
+
+
+class Template(NamedTuple):
+    """A recorded forward launch as a form for other layouts of its kind: the compiled kernel,
+    its arguments with q, k, v, out, lse and the offsets emptied, and where the offsets go."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    at: tuple[int, ...]  # argument positions of the spec's offsets, in the order passed
+    out_dtype: torch.dtype
+
+
+def template(launch: Launch, offsets: tuple) -> Template | None:
+    """``launch`` (recorded with ``offsets``) as a :class:`Template`; None when an offsets
+    tensor is not exactly one of its arguments."""
+    at = []
+    for t in offsets:
+        where = [i for i, a in enumerate(launch.args) if a is t]
+        if len(where) != 1:
+            return None
+        at.append(where[0])
+    args = tuple(None if i in at else a for i, a in enumerate(launch.args))
+    return Template(launch.fn, args, tuple(at), launch.out_dtype)
+
+
+def same_form(a: Template, b: Template) -> bool:
+    """Whether two layouts' recordings launched the same kernel with the same arguments apart
+    from their tensors (the kernel by identity: one compiled object per FA4 compile key)."""
+    if a.fn is not b.fn or a.at != b.at or a.out_dtype != b.out_dtype:
+        return False
+    try:
+        return bool(a.args == b.args)
+    except (TypeError, ValueError, RuntimeError):  # an argument without a plain equality
+        return False
+
+
+def adopt(form: Template, q: Tensor, v: Tensor, offsets: tuple, need_lse: bool) -> Launch:
+    """The :class:`Launch` of ``form`` for a call on ``q`` (``[T_q, H_q, D]``) and ``v`` with
+    ``offsets``: its out is ``[T_q, H_q, D_v]`` (the recorded out's dtype), its lse ``[H_q, T_q]``."""
+    args = list(form.args)
+    for pos, t in zip(form.at, offsets):
+        args[pos] = t
+    T, H = q.shape[0], q.shape[1]
+    return Launch(form.fn, tuple(args), (T, H, v.shape[-1]), form.out_dtype, (H, T) if need_lse else None)
 
 
 # ----------------------------------------------------------------------------- programs (backward)
