@@ -2,13 +2,14 @@
 
 A context-parallel step meets new kernel problems (specs) every layout: each one's first
 forward and backward runs FA4's Python and is recorded; later layers replay the recording
-(doc_packed/kernels/fa4_launch.py). A forward can instead be adopted from another layout's
-recording (``kernels.fa4``, Hopper). Each problem's offsets are on the device before its first
-call, as a context-parallel schedule queues them with its indices. This times, per call on the host (no synchronisation
-inside the timed call; the device drained between calls), over ``--layouts`` new
-context-parallel-shaped problems: the first forward recorded (``DOC_PACKED_FA4_ADOPT=0``), the
-first forward adopted, a later forward replayed (the anchor), and the first and a later
-backward. Usage: ``python -m bench.bench_first_call [--layouts 40] [--tq 8192]``.
+(doc_packed/kernels/fa4_launch.py). On Hopper a first call is instead adopted from other
+layouts' recordings (doc_packed/kernels/fa4_forms.py). Each problem's offsets are on the
+device before its first call, as a context-parallel schedule queues them with its indices.
+This times, per call on the host (no synchronisation inside the timed call; the device drained
+between calls), over ``--layouts`` new context-parallel-shaped problems, alternating: first
+calls recorded (``DOC_PACKED_FA4_ADOPT=0``) and adopted, against a later call replayed (the
+anchor), forward and backward. Usage: ``python -m bench.bench_first_call [--layouts 40]
+[--tq 8192]``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = {
             "forward, first (adopted)" if adopt else "forward, first (recorded)": first,
             "forward, later (replayed)": later,
-            "backward, first (recorded)": bwd_first,
+            "backward, first (adopted)" if adopt else "backward, first (recorded)": bwd_first,
             "backward, later (replayed)": bwd_later,
         }
         for name, us in rows.items():

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import NamedTuple
 
 import pytest
 import torch
 
-from doc_packed.kernels import fa4, fa4_launch
+from doc_packed.kernels import fa4, fa4_forms, fa4_launch
 from doc_packed.kernels.spec import VarlenSpec
 
 
@@ -170,7 +171,7 @@ def _layout(seed: int, T_q: int = 64):
 def adopting(monkeypatch):
     """fa4.forward on the CPU stand-in as on Hopper (adoption on), with no kinds learnt yet."""
     monkeypatch.setattr(fa4, "_adopts", lambda q: True)
-    monkeypatch.setattr(fa4, "_FORMS", {})
+    monkeypatch.setattr(fa4, "_FORMS", fa4_forms.Forms())
 
 
 def test_a_layouts_first_forward_is_adopted_once_two_layouts_agreed(monkeypatch, adopting):
@@ -222,7 +223,7 @@ def test_a_kind_whose_layouts_launched_different_kernels_is_never_adopted(monkey
     long = VarlenSpec([0, 300], [0, 310], True, -1, 0)
     for spec in (short, long):
         fa4.forward(spec, torch.randn(spec.total_q, 4, 8), *(torch.randn(spec.total_k, 4, 8) for _ in "kv"), 0.5)
-    assert calls["python"] == 2 and list(fa4._FORMS.values()) == [None]  # they disagreed
+    assert calls["python"] == 2 and list(fa4._FORMS._launch.values()) == [None]  # they disagreed
     for seed in range(3):
         spec, q, k, v = _layout(seed)
         out, lse = fa4.forward(spec, q, k, v, 0.5)
@@ -242,12 +243,12 @@ def test_a_refused_recording_ends_adoption_for_its_kind(monkeypatch, adopting):
     spec, q, k, v = _layout(2)
     fa4.forward(spec, q, k, v, 0.5)  # adopted: FA4 does not run, so nothing is learnt
     assert calls["python"] == 2
-    kind = next(iter(fa4._FORMS))
-    fa4._learn(kind, None)  # what a refused recording of the kind reports
+    kind = next(iter(fa4._FORMS._launch))
+    fa4._FORMS.learn_launch(kind, None, ())  # what a refused recording of the kind reports
     monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
     spec, q, k, v = _layout(3)
     fa4.forward(spec, q, k, v, 0.5)
-    assert calls["python"] == 3 and fa4._FORMS[kind] is None
+    assert calls["python"] == 3 and fa4._FORMS._launch[kind] is None
 
 
 @pytest.mark.parametrize(
@@ -277,12 +278,12 @@ def test_adoption_stays_within_a_kind(monkeypatch, adopting, other):
 
 def test_no_adoption_off_hopper(monkeypatch):
     """On the CPU (as on Blackwell, whose forward takes max_seqlen_q) every layout records."""
-    monkeypatch.setattr(fa4, "_FORMS", {})
+    monkeypatch.setattr(fa4, "_FORMS", fa4_forms.Forms())
     fwd, calls = _fake_fa4()
     monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
     for seed in range(4):
         fa4.forward(*_layout(seed), 0.5)
-    assert calls["python"] == 4 and fa4._FORMS == {}
+    assert calls["python"] == 4 and fa4._FORMS._launch == {}
 
 
 # ----------------------------------------------------------------------------- backward programs
@@ -473,3 +474,103 @@ def test_a_refused_backward_is_recorded_once_more_then_left_to_fa4(monkeypatch):
         fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
     assert len(seen) == 2 and calls["python"] == 4
     assert spec.cached(("fa4-steps",), dict) == {fa4_launch.steps_key((q, k, v, out, dout, lse), 0.5, 0.0): None}
+
+
+# ----------------------------------------------------------------------------- backward across layouts
+
+
+class _AuxData(NamedTuple):  # FA4's argument object: compared by value
+    tensors: tuple | None = None
+
+
+def _pre_v(out, dout, dpsum, lse, cu_q):
+    T = out.shape[0]
+    dpsum.fill_(float("nan"))  # the padding: a kernel reading past T_q would spread it
+    dpsum[:, :T] = (out * dout).sum(-1).t() + lse + cu_q[-1]
+
+
+def _main_v(q, k, v, dout, dpsum, dq_accum, dk_accum, dv_accum, scale, cu_q, cu_k, aux):
+    (T_q, H, D), T_k, Hkv = q.shape, k.shape[0], k.shape[1]
+    dq_accum.view(H, -1, D)[:, :T_q] = (dout * scale).transpose(0, 1) + dpsum[:, :T_q, None]
+    dk_accum.view(Hkv, -1, D)[:, :T_k] += q.mean((0, 1)) + (cu_k.float() * 1e-2).sum()
+    dv_accum.view(Hkv, -1, D)[:, :T_k] += v.transpose(0, 1)
+
+
+def _post_v(accum, grad, scale):
+    T, H, D = grad.shape
+    grad.copy_(accum.view(H, -1, D)[:, :T].transpose(0, 1) * scale)
+
+
+def _fake_fa4_bwd_varlen(pad_q=None):
+    """FA4's varlen backward in shape: dq/dk/dv like the inputs, float32 accumulators padded to
+    tiles by the row count and the number of offsets (``pad_q``: another rule for dq's), whole
+    allocations launched with the offsets and an argument object compared by value."""
+    cache = _JITCache()
+    calls = {"python": 0}
+    for name, kernel in (("pre", _pre_v), ("main", _main_v), ("post", _post_v)):
+        dict.__setitem__(cache, name, kernel)
+
+    def bwd(q, k, v, out, dout, lse, *, cu_seqlens_q, cu_seqlens_k, softmax_scale, max_seqlen_q, **_):
+        calls["python"] += 1
+        (T_q, H, D), T_k, Hkv, L = q.shape, k.shape[0], k.shape[1], cu_seqlens_q.numel()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pq = (T_q + L * 64 - 1) // 64 * 64 if pad_q is None else pad_q(max_seqlen_q)
+        pk = (T_k + L * 128 - 1) // 128 * 128
+        dq_accum, dpsum = torch.empty(H, pq * D), torch.empty(H, pq)
+        dk_accum, dv_accum = torch.zeros(Hkv, pk * D), torch.zeros(Hkv, pk * D)
+        cache["pre"](out, dout, dpsum, lse, cu_seqlens_q)
+        args = (dout, dpsum, dq_accum, dk_accum, dv_accum, softmax_scale, cu_seqlens_q, cu_seqlens_k, _AuxData())
+        cache["main"](q.detach(), k.detach(), v.detach(), *args)
+        cache["post"](dq_accum, dq, softmax_scale)
+        cache["post"](dk_accum, dk, 1.0)
+        cache["post"](dv_accum, dv, 1.0)
+        return dq, dk, dv
+
+    bwd.compile_cache = cache  # type: ignore[attr-defined]
+    return bwd, calls
+
+
+def _bwd_layout(seed: int):
+    spec, q, k, v = _layout(seed)
+    g = torch.Generator().manual_seed(1000 + seed)
+    out, dout = torch.randn(q.shape, generator=g), torch.randn(q.shape, generator=g)
+    lse = torch.randn(q.shape[1], q.shape[0], generator=g)
+    return spec, (q, k, v, out, dout, lse)
+
+
+def test_a_layouts_first_backward_is_adopted_once_three_layouts_agreed(monkeypatch, adopting):
+    """Three layouts (row counts and offsets of their own) record the same program but for
+    its sizes; every later layout's first backward runs the program sized by the rules they
+    agree on, without FA4's Python: what FA4 gives, and the program a recording would hold."""
+    bwd, calls = _fake_fa4_bwd_varlen()
+    monkeypatch.setattr(fa4, "_interface", lambda: (None, bwd))
+    before = fa4_launch.counts()
+    for seed in range(8):
+        spec, (q, k, v, out, dout, lse) = _bwd_layout(seed)
+        python = calls["python"]
+        got = fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+        assert calls["python"] == python + (seed < fa4_forms.AGREE_STEPS)
+        ref = bwd(q, k, v, out, dout, lse, **fa4._args(spec, q, 0.5))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        if seed >= fa4_forms.AGREE_STEPS:
+            (held,) = spec.cached(("fa4-steps",), dict).values()
+            kwargs = fa4._args(spec, q, 0.5)
+            offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+            _, recorded = fa4_launch.record_steps(bwd, (q, k, v, out, dout, lse), offsets, kwargs)
+            assert [s[1:] for s in held.steps if s[0] == "new"] == [s[1:] for s in recorded.steps if s[0] == "new"]
+    after = fa4_launch.counts()
+    assert after.get("backward adopted", 0) - before.get("backward adopted", 0) == 8 - fa4_forms.AGREE_STEPS
+
+
+def test_a_backward_size_no_rule_explains_ends_adoption(monkeypatch, adopting):
+    """dq's accumulator sized by the longest segment (a rule the forms do not have): the
+    recordings disagree, and FA4 runs for every layout."""
+    bwd, calls = _fake_fa4_bwd_varlen(pad_q=lambda max_q: 64 + 8 * max_q)
+    monkeypatch.setattr(fa4, "_interface", lambda: (None, bwd))
+    monkeypatch.setattr(fa4, "MAX_SEQLEN_FLOOR", 0)  # max_seqlen_q: the longest segment
+    for seed in range(6):
+        spec, (q, k, v, out, dout, lse) = _bwd_layout(seed)
+        got = fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+        ref = bwd(q, k, v, out, dout, lse, **fa4._args(spec, q, 0.5))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert calls["python"] == 12 and list(fa4._FORMS._steps.values()) == [None]

@@ -57,8 +57,13 @@ def test_cuda_parity(dtype, causal, window, heads):
 @needs_fa4
 @pytest.mark.parametrize(
     "dtype,heads,head_dim",
-    [(torch.bfloat16, (8, 8), 64), (torch.bfloat16, (8, 2), 64), (torch.bfloat16, (8, 1), 64),
-     (torch.float16, (8, 2), 64), (torch.bfloat16, (8, 2), 128)],
+    [
+        (torch.bfloat16, (8, 8), 64),
+        (torch.bfloat16, (8, 2), 64),
+        (torch.bfloat16, (8, 1), 64),
+        (torch.float16, (8, 2), 64),
+        (torch.bfloat16, (8, 2), 128),
+    ],
 )
 def test_fa4_parity(dtype, heads, head_dim):
     # GQA 1/4/8, D 64/128, every mask; B = 2 with zero-length and 1-token documents
@@ -105,8 +110,9 @@ def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
     spec, (q, k, v, dout), out, lse, grads, ref, live = _cp_shaped_problem("fa4")
     assert kernels.choose("auto", spec, q, 2) == "fa4"
     assert lse.dtype == torch.float32 and lse.shape == (8, 512)
-    want = kernels.backward(spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(),
-                            v.double().cpu(), *ref, 0.125, "math")
+    want = kernels.backward(
+        spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(), v.double().cpu(), *ref, 0.125, "math"
+    )
     for a, b in zip(grads, want):
         assert rel(a.cpu(), b) <= 2e-2
     # (out, lse) of one backend drive another's backward, both ways (flex: tested against flash)
@@ -194,29 +200,58 @@ def _cp_call_spec(rng: random.Random, T_q: int, window: tuple[int, int]):
 
 @needs_fa4
 @pytest.mark.parametrize("window", [(-1, 0), (300, 0), (-1, -1)])
-def test_fa4_adopted_forward_is_bitwise_a_full_call(window, monkeypatch):
-    """A layout's first forward launched from other layouts' recordings
-    (doc_packed/kernels/fa4.py, fa4_launch.adopt) gives bitwise what FA4's full Python path
-    gives, over many layouts of several kinds (segment counts past MANY_SEGMENTS, masks)."""
-    from doc_packed.kernels import fa4, fa4_launch
+def test_fa4_adopted_calls_are_what_fa4_gives(window, monkeypatch):
+    """A layout's first forward and backward launched from other layouts' recordings
+    (doc_packed/kernels/fa4_forms.py) over many layouts of several kinds (segment counts past
+    MANY_SEGMENTS, masks): the forward bitwise FA4's full Python path; the backward the very
+    program a recording of that layout holds (allocations, kernels, arguments), and its
+    gradients what FA4's full path gives within FA4's own run-to-run spread."""
+    from doc_packed.kernels import fa4, fa4_forms, fa4_launch
 
     if not fa4._adopts(torch.empty(1, device="cuda")):
         pytest.skip(f"adoption is on for Hopper and FA4 {fa4._ADOPT_RELEASES} only (FA4 {fa4._release()})")
-    monkeypatch.setattr(fa4, "_FORMS", {})
+    monkeypatch.setattr(fa4, "_FORMS", fa4_forms.Forms())
     rng, T_q, scale = random.Random(7), 4096, 128**-0.5
     g = torch.Generator(device="cuda").manual_seed(0)
     before = fa4_launch.counts()
+    _, bwd = fa4._interface()
     for i in range(30):
         spec = _cp_call_spec(rng, T_q, window)
         mk = lambda T, h: torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-        q, k, v = mk(T_q, 16), mk(spec.total_k, 4), mk(spec.total_k, 4)
+        q, k, v, dout = mk(T_q, 16), mk(spec.total_k, 4), mk(spec.total_k, 4), mk(T_q, 16)
         monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "1")
         out, lse = fa4.forward(spec, q, k, v, scale)
+        got = fa4.backward(spec, dout, q, k, v, out, lse, scale)
         monkeypatch.setenv("DOC_PACKED_FA4_REPLAY", "0")
         ref_out, ref_lse = fa4.forward(spec, q, k, v, scale)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), (i, len(spec.cu_q) - 1, spec.total_k)
-    adopted = fa4_launch.counts().get("forward adopted", 0) - before.get("forward adopted", 0)
-    assert adopted >= 15, fa4_launch.counts()
+        want = fa4.backward(spec, dout, q, k, v, out, lse, scale)
+        again = fa4.backward(spec, dout, q, k, v, out, lse, scale)
+        for a, b, c in zip(got, want, again):
+            assert rel(a, b) <= max(1e-3, 2 * rel(c, b)), (i, len(spec.cu_q) - 1)
+        held = [p for p in spec.cached(("fa4-steps",), dict).values() if isinstance(p, fa4_launch.Steps)]
+        if held:
+            kwargs = fa4._args(spec, q, scale)
+            offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+            _, recorded = fa4_launch.record_steps(bwd, (q, k, v, out, dout, lse), offsets, kwargs)
+            assert recorded is not None
+            assert _program_facts(held[0]) == _program_facts(recorded), (i, len(spec.cu_q) - 1)
+    counts = fa4_launch.counts()
+    assert counts.get("forward adopted", 0) - before.get("forward adopted", 0) >= 15, counts
+    assert counts.get("backward adopted", 0) - before.get("backward adopted", 0) >= 10, counts
+
+
+def _program_facts(steps):
+    """A backward program's allocations, kernels and non-tensor arguments (tensors by slot)."""
+    facts = []
+    for step in steps.steps:
+        if step[0] == "launch":
+            _, kernel, fixed, by_slot, by_view = step
+            fixed = tuple(("offsets", a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in fixed)
+            facts.append(("launch", id(kernel), repr(fixed), by_slot, by_view))
+        else:
+            facts.append(step)
+    return facts, steps.outputs
 
 
 @needs_fa4

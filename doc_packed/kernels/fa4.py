@@ -30,7 +30,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import fa4_launch
+from . import fa4_forms, fa4_launch
 from .spec import Variant, VarlenSpec
 
 MODULE = "flash_attn.cute.interface"
@@ -270,9 +270,9 @@ def forward(
         assert launches is not None and key is not None
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
         kind = _kind(spec, key, q)
-        form = _FORMS.get(kind) if kind is not None else None
-        if isinstance(form, _Form) and form.agreed >= _AGREE:
-            launch = fa4_launch.adopt(form.template, q, v, offsets, need_lse)
+        form = None if kind is None else _FORMS.launch(kind)
+        if form is not None:
+            launch = fa4_forms.adopt_launch(form, q, v, offsets, need_lse)
             if len(launches) < _MAX_LAUNCHES:
                 launches[key] = launch
             return fa4_launch.replay(launch, q, k, v, "forward adopted")
@@ -280,7 +280,7 @@ def forward(
         if len(launches) < _MAX_LAUNCHES:
             launches[key] = launch
         if kind is not None:
-            _learn(kind, None if launch is None else fa4_launch.template(launch, offsets))
+            _FORMS.learn_launch(kind, launch, offsets)
         return out, lse
     out, lse, *_ = fwd(q, k, v, **kwargs)
     return out, lse
@@ -289,32 +289,20 @@ def forward(
 _UNSEEN = object()
 _MAX_LAUNCHES = 16  # per spec (shapes, dtypes, scales seen with one layout)
 
-# A layout's first forward launched from another layout's recording (fa4_launch.adopt): on
-# Hopper, FA4 4.0.0b36's compiled forward takes no argument that depends on the layout but the
-# offsets (no max_seqlen; the grid follows from the tensors' shapes inside the compiled call),
-# and which kernel it compiles follows from compile_facts with MAX_SEQLEN_FLOOR applied. A
-# kind is trusted once _AGREE recordings (different specs) launched the same kernel with the
-# same other arguments; one that disagrees ends adoption for the kind for good. Agreement
-# catches a layout argument, not a kernel chosen by a layout the first recordings did not
-# show, so adoption is on only where the source was read and the result checked bitwise on the
-# GPU (tests/test_gpu.py): Hopper, with the FA4 releases below. Blackwell's forward takes
-# max_seqlen_q as an argument: no adoption there.
+# A layout's first forward and backward launched from other layouts' recordings (fa4_forms):
+# on Hopper, FA4 4.0.0b36's compiled forward takes no argument that depends on the layout but
+# the offsets (no max_seqlen; the grid follows from the tensors' shapes inside the compiled
+# call), its backward's program differs between layouts only in its allocations' sizes, and
+# which kernels it compiles follows from compile_facts with MAX_SEQLEN_FLOOR applied. Agreement
+# between recordings catches a layout argument, not a kernel chosen by a layout the first
+# recordings did not show, so adoption is on only where the source was read and the results
+# checked on the GPU (tests/test_gpu.py): Hopper, with the FA4 releases below. Blackwell's
+# forward takes max_seqlen_q as an argument: no adoption there.
 _ADOPT_ARCHS = (9,)
 _ADOPT_RELEASES = ("4.0.0b36",)
-_AGREE = 2
-_MAX_KINDS = 64
 
 
-class _Form:
-    """A kind's template and how many recordings agreed with it."""
-
-    __slots__ = ("agreed", "template")
-
-    def __init__(self, template: fa4_launch.Template):
-        self.template, self.agreed = template, 1
-
-
-_FORMS: dict[tuple, _Form | None] = {}  # kind -> its form, None once recordings disagreed
+_FORMS = fa4_forms.Forms()  # what each kind's recordings agree on (fa4_forms)
 
 
 def _kind(spec: VarlenSpec, key: tuple, q: Tensor) -> tuple | None:
@@ -326,6 +314,19 @@ def _kind(spec: VarlenSpec, key: tuple, q: Tensor) -> tuple | None:
         return None
     _, qs, qst, ks, kst, vs, vst, *rest = key
     return (qs[1:], qst, ks[1:], kst, vs[1:], vst, *rest, facts, window(spec))
+
+
+def _steps_kind(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softcap: float) -> tuple | None:
+    """A backward's kind, as :func:`_kind`: each tensor's shape without its rows (lse
+    ``[H_q, T_q]``: the last dim), dtype, and strides where it is not contiguous."""
+    facts = compile_facts(spec)
+    if facts is None or not _adopts(tensors[0]):
+        return None
+    parts: list = [scale, softcap, tensors[0].device, facts, window(spec)]
+    for i, t in enumerate(tensors):
+        per_row = t.shape[:-1] if i == len(tensors) - 1 else t.shape[1:]
+        parts.append((per_row, t.dtype, None if t.is_contiguous() else t.stride()))
+    return tuple(parts)
 
 
 def _adopts(q: Tensor) -> bool:
@@ -345,21 +346,6 @@ def _release() -> str | None:
         return importlib.metadata.version(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _learn(kind: tuple, template: fa4_launch.Template | None) -> None:
-    """Count a recording of ``kind`` for or against its form (None: a first call that could not
-    be replayed, so FA4 did something else for this layout: the kind is never adopted)."""
-    if kind not in _FORMS:
-        if len(_FORMS) < _MAX_KINDS:
-            _FORMS[kind] = None if template is None else _Form(template)
-        return
-    form = _FORMS[kind]
-    if form is not None:
-        if template is not None and fa4_launch.same_form(form.template, template):
-            form.agreed += 1
-        else:
-            _FORMS[kind] = None
 
 
 def backward(
@@ -407,11 +393,21 @@ def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softc
     if steps is _UNSEEN or steps is _RETRY:
         assert programs is not None
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        kind = _steps_kind(spec, tensors, scale, softcap)
+        form = None if kind is None or steps is _RETRY else _FORMS.steps(kind)
+        program = None if form is None else fa4_forms.adopt_steps(form, tensors, offsets)
+        if program is not None:
+            if len(programs) < _MAX_LAUNCHES:
+                programs[key] = program
+            dq, dk, dv = fa4_launch.replay_steps(program, tensors, "backward adopted")
+            return dq, dk, dv
         result, new = fa4_launch.record_steps(bwd, tensors, offsets, kwargs)
         if len(programs) < _MAX_LAUNCHES or key in programs:
             # a first refusal is recorded once more (the first call may also have compiled,
             # and a compiler's tensor work is not the program's); a second one is final
             programs[key] = new if new is not None or steps is _RETRY else _RETRY
+        if kind is not None and (new is not None or steps is _RETRY):
+            _FORMS.learn_steps(kind, new, tensors, offsets)
         return result[:3]
     return bwd(*tensors, **kwargs)[:3]
 

@@ -17,12 +17,8 @@ made of a non-contiguous input), or an entry point without FA4's ``compile_cache
 reorders them fails the checks and is simply not replayed. What each call did (replayed, recorded,
 refused and why) is counted: :func:`counts`.
 
-A layout's first call can skip FA4's Python too (:func:`template`, :func:`adopt`): where FA4's
-compiled forward takes nothing of the layout but its offsets (Hopper, 4.0.0b36: the kernel and
-every other argument follow from the mask's class and the shapes' per-row parts, see
-``kernels.fa4.compile_facts``), a launch recorded for one layout is launched for another of the
-same kind with that layout's offsets and its own q/k/v, out and lse. The caller decides which
-calls share a kind and trusts a kind only once several layouts recorded the same launch.
+A layout's first call can skip FA4's Python too: :mod:`.fa4_forms` makes a recording of one
+layout into the launch or program of another layout of the same kind.
 
 The backward (``_flash_attn_bwd``: ~80 us of Python around five launches, a preprocess, the main
 kernel and three conversions, on torch scratch it allocates and partly zeroes) is recorded as a
@@ -50,8 +46,6 @@ from .. import _compat
 __all__ = [
     "Launch",
     "Steps",
-    "Template",
-    "adopt",
     "counts",
     "enabled",
     "key",
@@ -59,10 +53,8 @@ __all__ = [
     "record_steps",
     "replay",
     "replay_steps",
-    "same_form",
     "steps_key",
     "tally",
-    "template",
 ]
 
 _ALIGN = 16  # bytes: FA4 compiles its q/k/v/out tensors assuming this alignment
@@ -80,8 +72,8 @@ def counts() -> dict[str, int]:
     recorded"`` (a first call whose launch is kept), ``"forward not replayable: <why>"`` (a first
     call whose launch cannot be replayed), ``"forward misaligned"`` (an input not on a 16-byte
     boundary: FA4 runs, nothing is recorded), the same for ``"backward"``; calls with replay off
-    or with sinks are not counted; ``"forward adopted"``: a layout's first call launched from
-    another layout's recording (:func:`adopt`)."""
+    or with sinks are not counted; ``"forward adopted"`` / ``"backward adopted"``: a layout's
+    first call launched from other layouts' recordings (:mod:`.fa4_forms`)."""
     return dict(_COUNTS)
 
 
@@ -194,50 +186,6 @@ def replay(
     tensors = [t.detach() if t.requires_grad else t for t in (q, k, v)]
     launch.fn(*tensors, out, lse, *launch.args[5:])
     return out, lse
-
-
-class Template(NamedTuple):
-    """A recorded forward launch as a form for other layouts of its kind: the compiled kernel,
-    its arguments with q, k, v, out, lse and the offsets emptied, and where the offsets go."""
-
-    fn: Callable[..., Any]
-    args: tuple
-    at: tuple[int, ...]  # argument positions of the spec's offsets, in the order passed
-    out_dtype: torch.dtype
-
-
-def template(launch: Launch, offsets: tuple) -> Template | None:
-    """``launch`` (recorded with ``offsets``) as a :class:`Template`; None when an offsets
-    tensor is not exactly one of its arguments."""
-    at = []
-    for t in offsets:
-        where = [i for i, a in enumerate(launch.args) if a is t]
-        if len(where) != 1:
-            return None
-        at.append(where[0])
-    args = tuple(None if i in at else a for i, a in enumerate(launch.args))
-    return Template(launch.fn, args, tuple(at), launch.out_dtype)
-
-
-def same_form(a: Template, b: Template) -> bool:
-    """Whether two layouts' recordings launched the same kernel with the same arguments apart
-    from their tensors (the kernel by identity: one compiled object per FA4 compile key)."""
-    if a.fn is not b.fn or a.at != b.at or a.out_dtype != b.out_dtype:
-        return False
-    try:
-        return bool(a.args == b.args)
-    except (TypeError, ValueError, RuntimeError):  # an argument without a plain equality
-        return False
-
-
-def adopt(form: Template, q: Tensor, v: Tensor, offsets: tuple, need_lse: bool) -> Launch:
-    """The :class:`Launch` of ``form`` for a call on ``q`` (``[T_q, H_q, D]``) and ``v`` with
-    ``offsets``: its out is ``[T_q, H_q, D_v]`` (the recorded out's dtype), its lse ``[H_q, T_q]``."""
-    args = list(form.args)
-    for pos, t in zip(form.at, offsets):
-        args[pos] = t
-    T, H = q.shape[0], q.shape[1]
-    return Launch(form.fn, tuple(args), (T, H, v.shape[-1]), form.out_dtype, (H, T) if need_lse else None)
 
 
 # ----------------------------------------------------------------------------- programs (backward)
@@ -400,9 +348,10 @@ def _program(events: list, inputs: tuple[Tensor, ...], offsets: tuple, outs: tup
     return Steps(tuple(steps), tuple(out_slots))
 
 
-def replay_steps(steps: Steps, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """The recorded program on new ``inputs`` (same key as when recorded): its outputs."""
-    tally("backward replayed")
+def replay_steps(steps: Steps, inputs: tuple[Tensor, ...], what: str = "backward replayed") -> tuple[Tensor, ...]:
+    """The recorded program on new ``inputs`` (same key as when recorded): its outputs; the
+    call is counted under ``what``."""
+    tally(what)
     env: list[Tensor] = [t.detach() if t.requires_grad else t for t in inputs]
     device = inputs[0].device
     for step in steps.steps:
