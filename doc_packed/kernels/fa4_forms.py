@@ -115,7 +115,7 @@ def _explanations(value: int, feats: tuple[int, int, int]) -> set[tuple]:
             found.add(("rows", which, value // T))
         for b in _TILES:
             p = _round_up(T, L, b)
-            if value % p == 0:
+            if p and value % p == 0:
                 found.add(("tile", which, b, value // p))
     return found
 
