@@ -143,7 +143,9 @@ def _parts(b: int, s: int, e: int, cs: int, seq_len: int) -> list[tuple[int, int
 
 def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, right: int):
     """Trim a (queries, keys) pair of one document to the rows that see something: returns
-    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key."""
+    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key. (:func:`_pieces`
+    runs the same arithmetic inline, per pair of runs; tests/test_kernel_contract.py holds this one
+    to the kernels.)"""
     q_end, k_end = q_pos + nq, k_pos + nk
     hi_off = 0 if causal else (right if right >= 0 else None)  # key <= query + hi_off
     lo_off = left if left >= 0 else None  # key >= query - lo_off
