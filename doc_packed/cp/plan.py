@@ -234,15 +234,15 @@ class _Planner:
         self.rows = layout_rows
         self.prefixes = prefixes
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
-        self.pieces: list[list] = []
         self.by_rank: list[list[list]] = [[] for _ in range(cp_size)]
+        self.balanced = False  # balance() ran: the pieces are no longer the owner-first ones
         self.offsets = [0] * cp_size  # fixed extra load per rank (:meth:`fresh`)
         self.rows_memo: tuple[list[list[list]], list[tuple[int, int, int]]] | None = None  # _runs_and_rows
         self.load = [0] * cp_size
         # keys each rank holds beyond its own shard: rank -> batch -> sorted disjoint [s, e)
         self.fetched: list[dict[int, list[list[int]]]] = [{} for _ in range(cp_size)]
-        cs, work, key_range = self.cs, self._work, self._key_range
-        pieces, by_rank, load = self.pieces, self.by_rank, self.load
+        cs, work, key_range, owned = self.cs, self._work, self._key_range, self.owned
+        by_rank, load = self.by_rank, self.load
         for b, docs in enumerate(layout_rows):
             row_prefixes = prefixes[b] if prefixes is not None else None
             for d, (ds, de) in enumerate(docs):
@@ -252,21 +252,20 @@ class _Planner:
                     e = (r + 1) * cs
                     if e > de:
                         e = de
-                    p = [b, a, e, doc, r]
-                    pieces.append(p)
-                    by_rank[r].append(p)
+                    by_rank[r].append([b, a, e, doc, r])
                     load[r] += work(doc, a, e)
-                    self._add_keys(r, b, *key_range(doc, a, e))  # (nothing for keys inside the shard)
+                    ks, ke = key_range(doc, a, e)
+                    if ks < owned[r][0] or ke > owned[r][1]:  # (_add_keys' own test, without the call)
+                        self._add_keys(r, b, ks, ke)
                     a, r = e, r + 1
 
     def fresh(self, offsets: list[int]) -> _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
         loads instead (the re-plans start from the same owner-first pieces: copied, not rebuilt)."""
-        assert len(self.pieces) == sum(len(r) for r in self.by_rank), "fresh() is for unbalanced planners"
+        assert not self.balanced, "fresh() is for unbalanced planners"
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.by_rank = [[list(p) for p in own] for own in self.by_rank]
-        new.pieces = [p for own in new.by_rank for p in own]
         new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
         return new.last_fresh(offsets)
 
@@ -379,6 +378,7 @@ class _Planner:
     # -- balancing ---------------------------------------------------------------------------
     def balance(self) -> None:
         self.rows_memo = None
+        self.balanced = True
         total = sum(self.load)
         if total == 0 or self.c == 1:
             return
@@ -418,9 +418,7 @@ class _Planner:
                         piece[2] = ma
                     else:
                         piece[1] = me
-                    new = [b, ma, me, doc, t]
-                    self.pieces.append(new)
-                    self.by_rank[t].append(new)
+                    self.by_rank[t].append([b, ma, me, doc, t])
                 self.load[h] -= moved
                 self.load[t] += moved
                 self._add_keys(t, b, *self._key_range(doc, ma, me))
@@ -552,13 +550,14 @@ class _Planner:
                 segs.append(_segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
                 queries.append((b, a, e))
                 keys.append((b, ks, ke))
-                moved += _outside(a, e, os_, oe)  # its queries outside the shard
+                if a < os_ or e > oe:  # its queries outside the shard
+                    moved += _outside(a, e, os_, oe)
             segments.append(tuple(segs))
             q_ranges.append(tuple(queries))
             q_moved.append(moved)
             ivs = _union(keys)
             kv_ranges.append(tuple(ivs))
-            kv_recv.append(sum(_outside(s, e, os_, oe) for _, s, e in ivs))
+            kv_recv.append(sum(_outside(s, e, os_, oe) for _, s, e in ivs if s < os_ or e > oe))
         work = self.work()
         return ContextParallelPlan(
             cp_size=self.c,

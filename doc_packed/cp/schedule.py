@@ -143,7 +143,9 @@ def _parts(b: int, s: int, e: int, cs: int, seq_len: int) -> list[tuple[int, int
 
 def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, right: int):
     """Trim a (queries, keys) pair of one document to the rows that see something: returns
-    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key."""
+    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key. (:func:`_pieces`
+    runs the same arithmetic inline, per pair of runs; tests/test_kernel_contract.py holds this one
+    to the kernels.)"""
     q_end, k_end = q_pos + nq, k_pos + nk
     hi_off = 0 if causal else (right if right >= 0 else None)  # key <= query + hi_off
     lo_off = left if left >= 0 else None  # key >= query - lo_off
@@ -246,44 +248,46 @@ class _Indices:
         return self.flat[dtype][start : start + n]
 
 
+_RAMP = np.zeros(0, dtype=np.int64)  # 0, 1, 2, ...: every run's rows are a view of it (read-only)
+
+
 def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The rows of ``[start, end)`` runs, in order, as int64: one ``arange`` per run, joined, so
-    each row is written to the result once (a ramp plus repeated offsets made three passes over
-    the rows, some 18,000 at 4 x 32k: 94 -> 56 us a schedule)."""
+    """The rows of ``[start, end)`` runs, in order, as int64: views of one cached ramp, joined, so
+    each row is written once and nothing else is (an ``arange`` per run wrote every row twice,
+    some 16,000 rows a 4 x 32k schedule, up to 83,000: 43 -> 13 us at the median). The ramp grows
+    by doubling to the largest row asked for (a row index is below a buffer's rows)."""
+    global _RAMP
     if not runs:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs])
+    ramp = _RAMP
+    top = max(e for _, e in runs)
+    if len(ramp) < top:
+        ramp = np.arange(max(top, 2 * len(ramp)), dtype=np.int64)
+        ramp.flags.writeable = False
+        _RAMP = ramp
+    return np.concatenate([ramp[s:e] for s, e in runs])
 
 
 class _Pending(NamedTuple):
-    """A call whose device tensors wait for the schedule's one copy: ``call`` with ``rows`` and
-    ``k_rows`` still None, and the slots (in an :class:`_Indices`) of its spec's offsets and of
-    the rows it will index (None: every row of its slice)."""
+    """A call whose device tensors wait for the schedule's one copy: :class:`Call`'s fields but
+    ``rows``/``k_rows`` (``where``: its buffers, slices and spec), and the slots (in an
+    :class:`_Indices`) of its spec's offsets and of the rows it will index (None: every row of
+    its slice)."""
 
-    call: Call
+    where: tuple[str, str, int, int, int, int, VarlenSpec]
+    n_rows: int
+    merge: bool
     cu: tuple[int, int]
     rows: int | None
     k_rows: int | None
 
     def on_device(self, index: _Indices, device: torch.device) -> Call:
+        q_buf, k_buf, q0, q1, k0, k1, spec = self.where
         # the spec's device offsets are views of the schedule's one copy (VarlenSpec.cu_tensors)
-        self.call.spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
-        c = self.call
+        spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
         rows = None if self.rows is None else index.get(self.rows)
         k_rows = None if self.k_rows is None else index.get(self.k_rows)
-        return Call(
-            q_buf=c.q_buf,
-            k_buf=c.k_buf,
-            q0=c.q0,
-            q1=c.q1,
-            k0=c.k0,
-            k1=c.k1,
-            spec=c.spec,
-            rows=rows,
-            n_rows=c.n_rows,
-            k_rows=k_rows,
-            merge=c.merge,
-        )
+        return Call(q_buf, k_buf, q0, q1, k0, k1, spec, rows, self.n_rows, k_rows, self.merge)
 
 
 def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
@@ -324,13 +328,17 @@ def _calls(
     groups: dict[tuple, list[list[_Piece]]] = {}
     for p in sorted(pieces, key=_CALL_ORDER):
         key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
-        for call in groups.setdefault(key, []):
+        calls = groups.get(key)
+        if calls is None:
+            groups[key] = [[p]]
+            continue
+        for call in calls:
             last = call[-1]
             if last.q0 + last.nq <= p.q0 and last.k0 + last.nk <= p.k0:
                 call.append(p)
                 break
         else:
-            groups[key].append([p])
+            calls.append([p])
     made = []
     for (q_buf, k_buf, (c, wl, wr)), calls in groups.items():
         for members in calls:
@@ -339,24 +347,35 @@ def _calls(
             if span is not None:
                 q0, k0, q1, k1 = 0, 0, span, span
             cu_q, cu_k = [0], [0]
+            # the rows of the slices the members compute and read, adjacent runs joined: the
+            # members run forward in both buffers without overlap, so these are sorted and disjoint
+            q_runs: list[tuple[int, int]] = []
+            k_runs: list[tuple[int, int]] = []
             for p in members:
+                qs, ks = p.q0 - q0, p.k0 - k0
                 # empty segments cover the gaps: queries without keys, then keys without queries
-                if p.q0 - q0 > cu_q[-1]:
-                    cu_q.append(p.q0 - q0)
+                if qs > cu_q[-1]:
+                    cu_q.append(qs)
                     cu_k.append(cu_k[-1])
-                if p.k0 - k0 > cu_k[-1]:
+                if ks > cu_k[-1]:
                     cu_q.append(cu_q[-1])
-                    cu_k.append(p.k0 - k0)
+                    cu_k.append(ks)
                 cu_q.append(cu_q[-1] + p.nq)
                 cu_k.append(cu_k[-1] + p.nk)
+                if q_runs and q_runs[-1][1] == qs:
+                    q_runs[-1] = (q_runs[-1][0], qs + p.nq)
+                else:
+                    q_runs.append((qs, qs + p.nq))
+                if k_runs and k_runs[-1][1] == ks:
+                    k_runs[-1] = (k_runs[-1][0], ks + p.nk)
+                else:
+                    k_runs.append((ks, ks + p.nk))
             if cu_q[-1] < q1 - q0:  # trailing rows: queries without keys, keys without queries
                 cu_q.append(q1 - q0)
                 cu_k.append(cu_k[-1])
             if cu_k[-1] < k1 - k0:
                 cu_q.append(cu_q[-1])
                 cu_k.append(k1 - k0)
-            q_runs = [(p.q0 - q0, p.q0 - q0 + p.nq) for p in members]  # distinct rows, in order
-            k_runs = _merged((p.k0 - k0, p.k0 - k0 + p.nk) for p in members)
             made.append((q_buf, k_buf, q0, q1, k0, k1, VarlenSpec(cu_q, cu_k, c, wl, wr), cu_q, cu_k, q_runs, k_runs))
     out = []
     for q_buf, k_buf, q0, q1, k0, k1, spec, cu_q, cu_k, q_runs, k_runs in sorted(made, key=lambda m: m[2] - m[3]):
@@ -368,8 +387,7 @@ def _calls(
         cu = (index.add_offsets(cu_q), index.add_offsets(cu_k))
         rows = None if n_rows == q1 - q0 else index.add_runs(q_runs)
         k_rows = None if n_keys == k1 - k0 else index.add_runs(k_runs)
-        waiting = Call(q_buf, k_buf, q0, q1, k0, k1, spec, None, n_rows, None, merge)
-        out.append(_Pending(waiting, cu, rows, k_rows))
+        out.append(_Pending((q_buf, k_buf, q0, q1, k0, k1, spec), n_rows, merge, cu, rows, k_rows))
     return out
 
 
@@ -437,6 +455,11 @@ def _by_owner(ranges, rank: int, c: int, cs: int, S: int) -> tuple[_Parts, list[
     how many positions each owner holds."""
     parts: _Parts = [[] for _ in range(c)]
     for b, s0, e0 in ranges:
+        o = s0 // cs
+        if s0 < e0 and e0 <= (o + 1) * cs and e0 <= S:  # inside one shard (most ranges): _parts' first case
+            if o != rank:
+                parts[o].append((b, s0, e0))
+            continue
         for o, s, e in _parts(b, s0, e0, cs, S):
             if o != rank:
                 parts[o].append((b, s, e))
@@ -480,26 +503,36 @@ def _landing(parts: _Parts, owners) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(out)
 
 
-def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, q_runs: list) -> list[_Piece]:
+def _pieces(
+    plan: ContextParallelPlan, rank: int, received: _Received, q_runs: list, cs: int, my_start: int, L: int
+) -> list[_Piece]:
     """(query part, key part) of each of ``rank``'s segments, each contiguous in its buffer:
     local rows where ``rank`` owns the positions, received rows elsewhere (``q_runs``: per
-    segment, its queries' runs as (buffer, first row, s, e))."""
-    c, S = plan.cp_size, plan.seq_len
-    cs = chunk_len(S, c)
-    my_start, my_end = plan.owners[rank]
-    L = my_end - my_start
+    segment, its queries' runs as (buffer, first row, s, e); ``cs``: the shard length; the rank's
+    shard starts at ``my_start`` and is ``L`` long)."""
+    S = plan.seq_len
     left, right = plan.window_size
+    # _visible's bounds, once: query i sees key j when i - lo <= j <= i + hi (None: no bound)
+    hi = 0 if plan.causal else (right if right >= 0 else None)
+    lo = left if left >= 0 else None
     pieces: list[_Piece] = []
     for seg, seg_q_runs in zip(plan.segments[rank], q_runs):
-        b = seg.batch
-        k_runs: list[tuple[str, int, int, int]] = []  # (buffer, first row, s, e), merged when contiguous
-        for o, s, e in _parts(b, seg.key_start, seg.key_end, cs, S):
-            buf, row = (LOCAL, b * L + s - my_start) if o == rank else (RECV, received.row(b, s, e))
-            last = k_runs[-1] if k_runs else None
-            if last is not None and last[0] == buf and last[3] == s and last[1] + last[3] - last[2] == row:
-                k_runs[-1] = (buf, last[1], last[2], e)
+        b, k_start, k_end = seg.batch, seg.key_start, seg.key_end
+        o = k_start // cs
+        if k_start < k_end and k_end <= (o + 1) * cs and k_end <= S:  # keys inside one shard (most)
+            if o == rank:
+                k_runs = [(LOCAL, b * L + k_start - my_start, k_start, k_end)]
             else:
-                k_runs.append((buf, row, s, e))
+                k_runs = [(RECV, received.row(b, k_start, k_end), k_start, k_end)]
+        else:  # (buffer, first row, s, e), merged when contiguous
+            k_runs = []
+            for o, s, e in _parts(b, k_start, k_end, cs, S):
+                buf, row = (LOCAL, b * L + s - my_start) if o == rank else (RECV, received.row(b, s, e))
+                last = k_runs[-1] if k_runs else None
+                if last is not None and last[0] == buf and last[3] == s and last[1] + last[3] - last[2] == row:
+                    k_runs[-1] = (buf, last[1], last[2], e)
+                else:
+                    k_runs.append((buf, row, s, e))
         pe = seg.prefix_end
         for qb, qr, qs, qe in seg_q_runs:
             if qs < pe:  # prefix queries: every key of the prefix, nothing after it
@@ -511,10 +544,16 @@ def _pieces(plan: ContextParallelPlan, rank: int, received: _Received, q_runs: l
                 if qs >= qe:
                     continue
             for kb, kr, ks, ke in k_runs:
-                vis = _visible(qs, qe - qs, ks, ke - ks, plan.causal, left, right)
-                if vis is not None:
-                    dq0, nq, dk0, nk = vis
-                    pieces.append(_Piece(qb, qr + dq0, nq, qs + dq0, kb, kr + dk0, nk, ks + dk0))
+                # _visible(qs, qe - qs, ks, ke - ks, ...) inline: the keys some query sees, then
+                # the queries that see some of them
+                a = ks if lo is None or ks >= qs - lo else qs - lo
+                z = ke if hi is None or ke <= qe + hi else qe + hi
+                if a >= z:
+                    continue
+                qa = qs if hi is None or qs >= a - hi else a - hi
+                qz = qe if lo is None or qe <= z + lo else z + lo
+                if qa < qz:
+                    pieces.append(_Piece(qb, qr + qa - qs, qz - qa, qa, kb, kr + a - ks, z - a, a))
     return pieces
 
 
@@ -538,6 +577,9 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     q_base = [sum(q_recv_splits[:o]) for o in range(c)]
     q_runs, seen = [], [0] * c  # per segment, its queries' runs: (buffer, first row, s, e)
     for b, s0, e0 in plan.q_ranges[rank]:
+        if my_start <= s0 < e0 <= my_end:  # its own queries (most segments): _parts' first case
+            q_runs.append([(LOCAL, b * L + s0 - my_start, s0, e0)])
+            continue
         runs = []
         for o, s, e in _parts(b, s0, e0, cs, S):
             if o == rank:
@@ -546,10 +588,12 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
                 runs.append((RECV, q_base[o] + seen[o], s, e))
                 seen[o] += e - s
         q_runs.append(runs)
-    pieces = _pieces(plan, rank, _Received(recv_parts), q_runs)
+    pieces = _pieces(plan, rank, _Received(recv_parts), q_runs, cs, my_start, L)
 
-    stage_a = [p for p in pieces if p.q_buf == LOCAL and p.k_buf == LOCAL]
-    stage_b = [p for p in pieces if not (p.q_buf == LOCAL and p.k_buf == LOCAL)]
+    stage_a: list[_Piece] = []
+    stage_b: list[_Piece] = []
+    for p in pieces:
+        (stage_a if p.q_buf == LOCAL and p.k_buf == LOCAL else stage_b).append(p)
     index = _Indices()
     written = {LOCAL: _Written(), RECV: _Written()}  # rows of each query buffer computed so far
     pending_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
