@@ -9,7 +9,7 @@ received buffers (stage A / stage B) and relies on this.
 import pytest
 import torch
 
-from doc_packed.cp.schedule import _kernel_mask, _Piece, _visible
+from doc_packed.cp.schedule import _kernel_mask, _Piece, _reach, _visible
 from doc_packed.kernels import VarlenSpec, backward, forward
 
 
@@ -28,11 +28,12 @@ def test_backward_over_split_keys_sums_to_the_full_gradient(causal, window, cut)
     # part trimmed and masked the way the context-parallel schedule does it
     parts = []
     for k0, k1 in ((0, cut), (cut, S)):
-        vis = _visible(32, 13, k0, k1 - k0, causal, left, right)
+        vis = _visible(32, 45, k0, k1, *_reach(causal, left, right))
         if vis is None:
             continue
-        dq0, nq, dk0, nk = vis
-        piece = _Piece("local", 32 + dq0, nq, 32 + dq0, "local", k0 + dk0, nk, k0 + dk0)
+        qa, qz, a, z = vis
+        nq, nk = qz - qa, z - a
+        piece = _Piece("local", qa, nq, qa, "local", a, nk, a)
         c, wl, wr = _kernel_mask(piece, causal, left, right)
         assert wl >= -1 and wr >= -1
         qs, ks = slice(piece.q0, piece.q0 + nq), slice(piece.k0, piece.k0 + nk)

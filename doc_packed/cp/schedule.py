@@ -141,25 +141,23 @@ def _parts(b: int, s: int, e: int, cs: int, seq_len: int) -> list[tuple[int, int
     return out
 
 
-def _visible(q_pos: int, nq: int, k_pos: int, nk: int, causal: bool, left: int, right: int):
-    """Trim a (queries, keys) pair of one document to the rows that see something: returns
-    ``(dq0, nq, dk0, nk)`` offsets and sizes, or None when no query sees any key. (:func:`_pieces`
-    runs the same arithmetic inline, per pair of runs; tests/test_kernel_contract.py holds this one
-    to the kernels.)"""
-    q_end, k_end = q_pos + nq, k_pos + nk
-    hi_off = 0 if causal else (right if right >= 0 else None)  # key <= query + hi_off
-    lo_off = left if left >= 0 else None  # key >= query - lo_off
-    # keys some query can see
-    ks = k_pos if lo_off is None else max(k_pos, q_pos - lo_off)
-    ke = k_end if hi_off is None else min(k_end, q_end - 1 + hi_off + 1)
-    if ks >= ke:
+def _reach(causal: bool, left: int, right: int) -> tuple[int | None, int | None]:
+    """``(lo, hi)``: query ``i`` of a document sees key ``j`` when ``i - lo <= j <= i + hi``
+    (None: no bound on that side)."""
+    return (left if left >= 0 else None), (0 if causal else (right if right >= 0 else None))
+
+
+def _visible(qs: int, qe: int, ks: int, ke: int, lo: int | None, hi: int | None) -> tuple[int, int, int, int] | None:
+    """Trim queries ``[qs, qe)`` and keys ``[ks, ke)`` of one document (positions) to the rows
+    that see something under :func:`_reach`'s bounds: ``(qa, qz, a, z)``, the queries
+    ``[qa, qz)`` and keys ``[a, z)`` kept, or None when no query sees any key."""
+    a = ks if lo is None or ks >= qs - lo else qs - lo  # keys some query sees
+    z = ke if hi is None or ke <= qe + hi else qe + hi
+    if a >= z:
         return None
-    # queries that see some key of [ks, ke)
-    qs = q_pos if hi_off is None else max(q_pos, ks - hi_off)
-    qe = q_end if lo_off is None else min(q_end, ke - 1 + lo_off + 1)
-    if qs >= qe:
-        return None
-    return qs - q_pos, qe - qs, ks - k_pos, ke - ks
+    qa = qs if hi is None or qs >= a - hi else a - hi  # queries that see some of them
+    qz = qe if lo is None or qe <= z + lo else z + lo
+    return (qa, qz, a, z) if qa < qz else None
 
 
 def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, int, int]:
@@ -511,10 +509,7 @@ def _pieces(
     segment, its queries' runs as (buffer, first row, s, e); ``cs``: the shard length; the rank's
     shard starts at ``my_start`` and is ``L`` long)."""
     S = plan.seq_len
-    left, right = plan.window_size
-    # _visible's bounds, once: query i sees key j when i - lo <= j <= i + hi (None: no bound)
-    hi = 0 if plan.causal else (right if right >= 0 else None)
-    lo = left if left >= 0 else None
+    lo, hi = _reach(plan.causal, *plan.window_size)
     pieces: list[_Piece] = []
     for seg, seg_q_runs in zip(plan.segments[rank], q_runs):
         b, k_start, k_end = seg.batch, seg.key_start, seg.key_end
@@ -544,15 +539,9 @@ def _pieces(
                 if qs >= qe:
                     continue
             for kb, kr, ks, ke in k_runs:
-                # _visible(qs, qe - qs, ks, ke - ks, ...) inline: the keys some query sees, then
-                # the queries that see some of them
-                a = ks if lo is None or ks >= qs - lo else qs - lo
-                z = ke if hi is None or ke <= qe + hi else qe + hi
-                if a >= z:
-                    continue
-                qa = qs if hi is None or qs >= a - hi else a - hi
-                qz = qe if lo is None or qe <= z + lo else z + lo
-                if qa < qz:
+                vis = _visible(qs, qe, ks, ke, lo, hi)
+                if vis is not None:
+                    qa, qz, a, z = vis
                     pieces.append(_Piece(qb, qr + qa - qs, qz - qa, qa, kb, kr + a - ks, z - a, a))
     return pieces
 
