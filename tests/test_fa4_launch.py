@@ -170,7 +170,7 @@ def _layout(seed: int, T_q: int = 64):
 @pytest.fixture
 def adopting(monkeypatch):
     """fa4.forward on the CPU stand-in as on Hopper (adoption on), with no kinds learnt yet."""
-    monkeypatch.setattr(fa4, "_adopts", lambda q: True)
+    monkeypatch.setattr(fa4, "_adopts_on", lambda device: True)
     monkeypatch.setattr(fa4, "_FORMS", fa4_forms.Forms())
 
 
@@ -574,3 +574,44 @@ def test_a_backward_size_no_rule_explains_ends_adoption(monkeypatch, adopting):
         ref = bwd(q, k, v, out, dout, lse, **fa4._args(spec, q, 0.5))
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert calls["python"] == 12 and list(fa4._FORMS._steps.values()) == [None]
+
+
+def test_prepare_makes_a_layouts_first_calls_ahead(monkeypatch, adopting):
+    """Once kinds are trusted, ``fa4.prepare`` (what ``cp.prepare`` runs for a schedule's calls)
+    leaves a new layout's forward launch and backward program where its first calls find them:
+    those calls replay, without FA4's Python and without adopting, and give what FA4 gives."""
+    fwd, f_calls = _fake_fa4()
+    bwd, b_calls = _fake_fa4_bwd_varlen()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, bwd))
+    for seed in range(fa4_forms.AGREE_STEPS):
+        spec, (q, k, v, out, dout, lse) = _bwd_layout(seed)
+        fa4.forward(spec, q, k, v, 0.5)
+        fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+    spec, (q, k, v, out, dout, lse) = _bwd_layout(50)
+    assert fa4.prepare(spec, q.device) == 2  # one forward kind, one backward kind
+    before, python = fa4_launch.counts(), (f_calls["python"], b_calls["python"])
+    got_out, got_lse = fa4.forward(spec, q, k, v, 0.5)
+    got = fa4.backward(spec, dout, q, k, v, out, lse, 0.5)
+    after = fa4_launch.counts()
+    assert (f_calls["python"], b_calls["python"]) == python
+    assert {n: c - before.get(n, 0) for n, c in after.items() if c != before.get(n, 0)} == {
+        "forward replayed": 1,
+        "backward replayed": 1,
+    }
+    ref_out, ref_lse, *_ = fwd(q, k, v, **fa4._args(spec, q, 0.5), return_lse=True)
+    assert torch.equal(got_out, ref_out) and torch.equal(got_lse, ref_lse)
+    ref = bwd(q, k, v, out, dout, lse, **fa4._args(spec, q, 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_prepare_makes_nothing_for_another_mask_or_untrusted_kinds(monkeypatch, adopting):
+    fwd, _ = _fake_fa4()
+    monkeypatch.setattr(fa4, "_interface", lambda: (fwd, None))
+    spec, q, k, v = _layout(0)
+    fa4.forward(spec, q, k, v, 0.5)  # one recording: not trusted yet
+    assert fa4.prepare(_layout(1)[0], q.device) == 0
+    fa4.forward(*_layout(1), 0.5)
+    assert fa4.prepare(_layout(2)[0], q.device) == 1
+    other = _layout(3)[0]
+    windowed = VarlenSpec(other.cu_q, other.cu_k, True, 16, 0)
+    assert fa4.prepare(windowed, q.device) == 0

@@ -2,7 +2,8 @@
 
 Training knows a batch's ``cu_seqlens`` before the step that uses it. :func:`prepare` does the
 host work a new layout needs (validation, the plan, this rank's schedule and its device indices,
-queued in one copy) at a moment the caller picks, for instance right after the previous step's
+queued in one copy, and the schedule's first FA4 launches where earlier layouts' recordings
+allow: ``kernels.fa4.prepare``) at a moment the caller picks, for instance right after the previous step's
 work is queued, while the GPU runs it. It returns ``cu_seqlens`` on the device, registered, so
 every attention call of the step finds what it needs without reading the tensor back (a device
 sync) and without planning. Nothing prepared: the first call of a step plans, as it always did.
@@ -92,11 +93,12 @@ def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) 
     qc = query_cost_of(num_heads, None)
     rank, size = comm.group_info(name)
     key = attention.ScheduleKey(size, rank, causal, left, right, qc, dev)
-    if plan is None:
-        attention.schedule_for(layout, key)
-    else:
+    if plan is not None:
         _check_plan(plan, layout, size, causal, (left, right), qc)
         attention.install_schedule(layout, key, plan)  # what the calls run
+    schedule = attention.schedule_for(layout, key)
+    for call in (*schedule.stage_a, *schedule.stage_b):
+        fa4.prepare(call.spec, dev)  # their first FA4 launches, from the kinds met so far
     attention.layout_tag(layout)  # what every call's agreement sends, computed once
 
 

@@ -272,7 +272,7 @@ def forward(
         kind = _kind(spec, key, q)
         form = None if kind is None else _FORMS.launch(kind)
         if form is not None:
-            launch = fa4_forms.adopt_launch(form, q, v, offsets, need_lse)
+            launch = fa4_forms.adopt_launch(form, q.shape[0], q.shape[1], v.shape[-1], offsets, need_lse)
             if len(launches) < _MAX_LAUNCHES:
                 launches[key] = launch
             return fa4_launch.replay(launch, q, k, v, "forward adopted")
@@ -330,13 +330,76 @@ def _steps_kind(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, sof
 
 
 def _adopts(q: Tensor) -> bool:
-    """Whether forwards on ``q``'s device may be adopted across layouts (:data:`_ADOPT_ARCHS`,
+    return _adopts_on(q.device)
+
+
+def _adopts_on(device: torch.device) -> bool:
+    """Whether FA4 calls on ``device`` may be adopted across layouts (:data:`_ADOPT_ARCHS`,
     :data:`_ADOPT_RELEASES`; ``DOC_PACKED_FA4_ADOPT=0`` turns it off)."""
-    if q.device.type != "cuda" or os.environ.get("DOC_PACKED_FA4_ADOPT", "1") == "0":
+    if device.type != "cuda" or os.environ.get("DOC_PACKED_FA4_ADOPT", "1") == "0":
         return False
     if _release() not in _ADOPT_RELEASES:
         return False
-    return _capability(q.device.index if q.device.index is not None else 0)[0] in _ADOPT_ARCHS
+    return _capability(device.index if device.index is not None else 0)[0] in _ADOPT_ARCHS
+
+
+def prepare(spec: VarlenSpec, device: torch.device) -> int:
+    """Make ``spec``'s first FA4 calls on ``device`` ahead of them: for every kind whose
+    recordings are trusted (:mod:`.fa4_forms`) and whose mask and compile facts are the spec's,
+    the forward launch and backward program its first call would adopt, kept where that call
+    finds them (it then costs what a replay does). For a layout's calls before its step
+    (``doc_packed.cp.prepare``); returns how many were made."""
+    facts = compile_facts(spec)
+    if facts is None or not fa4_launch.enabled() or not _adopts_on(device):
+        return 0
+    where = (facts, window(spec), device)
+    offsets = spec.cu_tensors(device)
+    return _prepare_forwards(spec, where, offsets) + _prepare_backwards(spec, where, offsets)
+
+
+def _prepare_forwards(spec: VarlenSpec, where: tuple, offsets: tuple) -> int:
+    made, T_q, T_k = 0, spec.total_q, spec.total_k
+    launches = spec.cached(("fa4-launches",), dict)
+    for kind, form in _FORMS.trusted_launches():
+        qs, qst, ks, kst, vs, vst, dtype, dev, scale, softcap, need_lse, facts, win = kind
+        if (facts, win, dev) != where:
+            continue
+        key: tuple = (
+            "fa4-launch",
+            torch.Size((T_q, *qs)),
+            qst,
+            torch.Size((T_k, *ks)),
+            kst,
+            torch.Size((T_k, *vs)),
+            vst,
+        )
+        key += (dtype, dev, scale, softcap, need_lse)  # fa4_launch.key's tuple
+        if key not in launches and len(launches) < _MAX_LAUNCHES:
+            launches[key] = fa4_forms.adopt_launch(form, T_q, qs[0], vs[-1], offsets, need_lse)
+            made += 1
+    return made
+
+
+def _prepare_backwards(spec: VarlenSpec, where: tuple, offsets: tuple) -> int:
+    made, T_q, T_k = 0, spec.total_q, spec.total_k
+    programs = spec.cached(("fa4-steps",), dict)
+    for kind, form in _FORMS.trusted_steps():
+        scale, softcap, dev, facts, win, *tensors = kind
+        if (facts, win, dev) != where:
+            continue
+        key: tuple = ("fa4-steps", scale, softcap)  # fa4_launch.steps_key's tuple
+        for i, (per_row, dtype, stride) in enumerate(tensors):  # (q, k, v, out, dout, lse)
+            rows = T_k if i in (1, 2) else T_q
+            shape = torch.Size((*per_row, rows) if i == len(tensors) - 1 else (rows, *per_row))
+            key += (shape, stride if stride is not None else fa4_forms.contiguous_stride(shape), dtype)
+        key += (dev,)
+        if key in programs or len(programs) >= _MAX_LAUNCHES:
+            continue
+        program = fa4_forms.adopt_steps(form, (T_q, T_k, len(spec.cu_q)), offsets)
+        if program is not None:
+            programs[key] = program
+            made += 1
+    return made
 
 
 @functools.cache
@@ -395,7 +458,8 @@ def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softc
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
         kind = _steps_kind(spec, tensors, scale, softcap)
         form = None if kind is None or steps is _RETRY else _FORMS.steps(kind)
-        program = None if form is None else fa4_forms.adopt_steps(form, tensors, offsets)
+        feats = (tensors[0].shape[0], tensors[1].shape[0], offsets[0].numel())
+        program = None if form is None else fa4_forms.adopt_steps(form, feats, offsets)
         if program is not None:
             if len(programs) < _MAX_LAUNCHES:
                 programs[key] = program

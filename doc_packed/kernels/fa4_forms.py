@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .fa4_launch import Launch, Steps
 
-__all__ = ["AGREE", "AGREE_STEPS", "Forms", "adopt_launch", "adopt_steps"]
+__all__ = ["AGREE", "AGREE_STEPS", "Forms", "adopt_launch", "adopt_steps", "contiguous_stride"]
 
 AGREE = 2  # forward recordings of different problems that must agree before a kind is adopted
 AGREE_STEPS = 3  # backward: one more, to narrow the size rules
@@ -86,12 +86,11 @@ def _equal(a: object, b: object) -> bool:
         return False
 
 
-def adopt_launch(form: _LaunchForm, q: Tensor, v: Tensor, offsets: tuple, need_lse: bool) -> Launch:
-    """The forward :class:`Launch` of ``form`` for a call on ``q`` (``[T_q, H_q, D]``) and ``v``
-    with ``offsets``: out ``[T_q, H_q, D_v]``, lse ``[H_q, T_q]``."""
-    T, H = q.shape[0], q.shape[1]
+def adopt_launch(form: _LaunchForm, T: int, H: int, D_v: int, offsets: tuple, need_lse: bool) -> Launch:
+    """The forward :class:`Launch` of ``form`` for a call of ``T`` queries, ``H`` query heads and
+    value head dim ``D_v`` with ``offsets``: out ``[T, H, D_v]``, lse ``[H, T]``."""
     args = _put(form.args, form.at, offsets)
-    return Launch(form.fn, args, (T, H, v.shape[-1]), form.out_dtype, (H, T) if need_lse else None)
+    return Launch(form.fn, args, (T, H, D_v), form.out_dtype, (H, T) if need_lse else None)
 
 
 # ----------------------------------------------------------------------------- backward programs
@@ -128,12 +127,17 @@ def _predict(rule: tuple, feats: tuple[int, int, int]) -> int:
     return rule[3] * _round_up(feats[rule[1]], feats[2], rule[2])
 
 
-def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape``."""
     want, acc = [], 1
     for n in reversed(shape):
         want.append(acc)
         acc *= max(n, 1)
-    return tuple(reversed(want)) == tuple(stride) or 0 in shape
+    return tuple(reversed(want))
+
+
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    return contiguous_stride(shape) == tuple(stride) or 0 in shape
 
 
 class _StepsForm:
@@ -190,10 +194,10 @@ def _same_skeleton(a: tuple, b: tuple) -> bool:
     return True
 
 
-def adopt_steps(form: _StepsForm, inputs: tuple[Tensor, ...], offsets: tuple) -> Steps | None:
-    """The program of ``form`` for a backward on ``inputs`` with ``offsets``; None when the
-    recordings so far leave a size undecided (rules that predict different sizes)."""
-    feats = _features(inputs, offsets)
+def adopt_steps(form: _StepsForm, feats: tuple[int, int, int], offsets: tuple) -> Steps | None:
+    """The program of ``form`` for a backward with ``feats`` = ``(T_q, T_k, L)`` (q and k rows,
+    the number of offsets) and ``offsets``; None when the recordings so far leave a size
+    undecided (rules that predict different sizes)."""
     sizes = []
     for rules in form.rules:
         predicted = {_predict(r, feats) for r in rules}
@@ -207,11 +211,7 @@ def adopt_steps(form: _StepsForm, inputs: tuple[Tensor, ...], offsets: tuple) ->
         if step[0] == "new":
             _, ndim, dtype, zeroed = step
             shape = tuple(next(it) for _ in range(ndim))
-            stride, acc = [], 1
-            for n in reversed(shape):
-                stride.append(acc)
-                acc *= max(n, 1)
-            steps.append(("new", shape, tuple(reversed(stride)), dtype, zeroed))
+            steps.append(("new", shape, contiguous_stride(shape), dtype, zeroed))
         elif step[0] == "launch":
             _, kernel, fixed, by_slot, at, which = step
             steps.append(("launch", kernel, _put(fixed, at, tuple(offsets[j] for j in which)), by_slot, ()))
@@ -255,6 +255,14 @@ class Forms:
             and _equal(form.args, old.args)
         )
         self._launch[kind] = (old, n + 1) if same else None
+
+    def trusted_launches(self) -> list[tuple[tuple, _LaunchForm]]:
+        """Every forward kind adopted now, with its form."""
+        return [(k, e[0]) for k, e in list(self._launch.items()) if e is not None and e[1] >= AGREE]
+
+    def trusted_steps(self) -> list[tuple[tuple, _StepsForm]]:
+        """Every backward kind adopted now, with its form."""
+        return [(k, e[0]) for k, e in list(self._steps.items()) if e is not None and e[1] >= AGREE_STEPS]
 
     def steps(self, kind: tuple) -> _StepsForm | None:
         """The kind's backward form once :data:`AGREE_STEPS` recordings agreed, else None."""
