@@ -10,7 +10,6 @@ whether AutoParallel imports (with the real import error when it does not).
 from __future__ import annotations
 
 import importlib.metadata
-import os
 
 import torch
 
@@ -101,12 +100,7 @@ def _package_line() -> str:
         from .kernels import fa4_launch
 
         replay = "on" if fa4_launch.enabled() else "off (DOC_PACKED_FA4_REPLAY=0)"
-        if os.environ.get("DOC_PACKED_FA4_ADOPT", "1") == "0":
-            adopt = "off (DOC_PACKED_FA4_ADOPT=0)"
-        elif version not in fa4._ADOPT_RELEASES:
-            adopt = f"off (checked with {', '.join(fa4._ADOPT_RELEASES)} only)"
-        else:
-            adopt = "on for Hopper GPUs"
+        adopt = fa4.adoption_status(version)
         return (
             f"{fa4.PACKAGE}: installed ({version or 'version unknown'}); launch replay (forward and backward) {replay}; "
             f"a new layout's first call adopted from other layouts' recordings: {adopt}"

@@ -329,6 +329,16 @@ def _steps_kind(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, sof
     return tuple(parts)
 
 
+def adoption_status(release: str | None) -> str:
+    """Whether a new layout's first calls are adopted from other layouts' recordings with FA4
+    ``release`` installed, and why not (:data:`_ADOPT_RELEASES`, ``DOC_PACKED_FA4_ADOPT``)."""
+    if os.environ.get("DOC_PACKED_FA4_ADOPT", "1") == "0":
+        return "off (DOC_PACKED_FA4_ADOPT=0)"
+    if release not in _ADOPT_RELEASES:
+        return f"off (checked with {', '.join(_ADOPT_RELEASES)} only)"
+    return "on for Hopper GPUs"
+
+
 def _adopts(q: Tensor) -> bool:
     return _adopts_on(q.device)
 
