@@ -525,14 +525,15 @@ class _Planner:
         out = []
         for r in range(self.c):
             merged: list[list] = []
+            q = None  # the last run of merged
             for p in sorted(self.by_rank[r], key=_ROW_START):
                 if p[2] <= p[1]:
                     continue
-                q = merged[-1] if merged else None
                 if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
-                    merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
+                    q = merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
                 else:
                     merged.append(p)
+                    q = p
             out.append(merged)
         return out
 
@@ -742,13 +743,20 @@ def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
 
 
 def _union(ranges) -> list[tuple[int, int, int]]:
+    """The ``(batch, start, end)`` ranges merged where they overlap or touch, sorted (the open
+    range kept in locals, a tuple made once per merged range)."""
     out: list[tuple[int, int, int]] = []
+    cb, cs, ce = -1, 0, 0
     for b, s, e in sorted(ranges):
-        if out and out[-1][0] == b and s <= out[-1][2]:
-            if e > out[-1][2]:
-                out[-1] = (b, out[-1][1], e)
+        if b == cb and s <= ce:
+            if e > ce:
+                ce = e
         else:
-            out.append((b, s, e))
+            if cb >= 0:
+                out.append((cb, cs, ce))
+            cb, cs, ce = b, s, e
+    if cb >= 0:
+        out.append((cb, cs, ce))
     return out
 
 
