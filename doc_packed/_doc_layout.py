@@ -51,17 +51,20 @@ class DocLayout:
 
     __slots__ = ("seq_len", "rows", "_derived")
 
-    def __init__(self, bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int):
+    def __init__(
+        self,
+        bounds: Sequence[Sequence[int]] | np.ndarray,
+        seq_len: int,
+        *,
+        documents: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+    ):
+        """``documents``: per row, the ``(start, end)`` of each non-empty document when the caller
+        found them already from ``bounds`` (then not read again)."""
         self.seq_len = seq_len
-        self.rows: tuple[tuple[tuple[int, int], ...], ...] = _rows(*_increases(_as_array(bounds)))
+        if documents is None:
+            documents = _rows(*_increases(_as_array(bounds)))
+        self.rows: tuple[tuple[tuple[int, int], ...], ...] = documents
         self._derived: OrderedDict[Any, Any] = OrderedDict()
-
-    @classmethod
-    def _of(cls, rows: tuple[tuple[tuple[int, int], ...], ...], seq_len: int) -> DocLayout:
-        """The layout of documents ``rows`` already found (:func:`_layout_of`)."""
-        layout = object.__new__(cls)
-        layout.seq_len, layout.rows, layout._derived = seq_len, rows, OrderedDict()
-        return layout
 
     @property
     def batch(self) -> int:
@@ -249,10 +252,10 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
         twin = _ValuesKey(torch.int32, bounds.astype(np.int32), seq_len)
         layout = _layouts.get(twin)
         if layout is None:
-            layout = DocLayout._of(_rows(*found), seq_len)
+            layout = DocLayout(bounds, seq_len, documents=_rows(*found))
             _lru_put(_layouts, twin, layout)
     if layout is None:
-        layout = DocLayout._of(_rows(*found), seq_len)
+        layout = DocLayout(bounds, seq_len, documents=_rows(*found))
     _lru_put(_layouts, key, layout)
     return layout
 
