@@ -4,7 +4,7 @@ The cache may never describe values other than the ones a call passes, and never
 values through. How it knows the values without reading them every call depends on the device:
 
 - **CPU tensors are keyed on their values** (dtype, shape and bytes: ``B x (MAX_DOCS + 1)``
-  int32 or int64, read and hashed every call, no device sync). Every way of writing a CPU tensor (in
+  int32 or int64, read every call, no device sync; hashed on each row's head, compared whole). Every way of writing a CPU tensor (in
   place, under ``torch.inference_mode()``, through ``.data``, a NumPy or DLPack view, its
   storage) changes the key, so a cached entry always describes the values passed.
 - **Other devices** (CUDA) would need a device sync to read the values, so a tensor is keyed on
@@ -29,6 +29,7 @@ least-recently-used memo of at most ``_DERIVED_SIZE`` entries per layout.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -42,6 +43,7 @@ from ._checks import INT32_MAX
 _T = TypeVar("_T")
 _CACHE_SIZE = 32  # layouts (by value) and CUDA tensors (by identity), each least recently used first out
 _DERIVED_SIZE = 32  # memoised values per layout (a spec per mask, plans, exchanges, flop counts)
+_HASHED = 64  # entries of each row a values key hashes (:class:`_ValuesKey`)
 
 
 class DocLayout:
@@ -49,16 +51,19 @@ class DocLayout:
 
     __slots__ = ("seq_len", "rows", "_derived")
 
-    def __init__(self, bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int):
+    def __init__(
+        self,
+        bounds: Sequence[Sequence[int]] | np.ndarray,
+        seq_len: int,
+        *,
+        documents: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+    ):
+        """``documents``: per row, the ``(start, end)`` of each non-empty document when the caller
+        found them already from ``bounds`` (then not read again)."""
         self.seq_len = seq_len
-        # per row, the (start, end) of each non-empty document (NumPy: a row holds MAX_DOCS + 1
-        # entries, mostly the repeated tail, and a layout is new every step)
-        rows = []
-        for row in bounds:
-            r = np.asarray(row)  # (an int32 row as it is: no int64 copy)
-            docs = (r[1:] > r[:-1]).nonzero()[0]  # (the method: np.flatnonzero wraps it in Python)
-            rows.append(tuple(zip(r[docs].tolist(), r[docs + 1].tolist())))
-        self.rows: tuple[tuple[tuple[int, int], ...], ...] = tuple(rows)
+        if documents is None:
+            documents = _rows(*_increases(_as_array(bounds)))
+        self.rows: tuple[tuple[tuple[int, int], ...], ...] = documents
         self._derived: OrderedDict[Any, Any] = OrderedDict()
 
     @property
@@ -92,6 +97,67 @@ class DocLayout:
         return value
 
 
+def _as_array(bounds: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """``bounds`` as a ``[B, W]`` array: rows of different lengths are padded with their last
+    entry (a repeat starts no document)."""
+    if isinstance(bounds, np.ndarray) and bounds.ndim == 2:
+        return bounds
+    rows = [list(row) for row in bounds]
+    width = max(map(len, rows), default=0)
+    if any(len(row) != width for row in rows):
+        rows = [row + (row[-1:] or [0]) * (width - len(row)) for row in rows]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), width)
+
+
+def _increases(bounds: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """Every increase ``bounds[b, j] < bounds[b, j + 1]`` (a non-empty document of a valid row):
+    its start and end values in row order, and where each row's begin in them (``B + 1`` cuts).
+    All rows at once, a dozen NumPy calls whatever the batch: on a new layout the calls' fixed
+    costs are most of the read, the values are few (a row of ``MAX_DOCS + 1`` is mostly its
+    repeated tail)."""
+    n, width = bounds.shape
+    if width < 2:
+        return [], [], [0] * (n + 1)
+    flat = bounds.ravel()
+    rising = flat[1:] > flat[:-1]
+    rising[width - 1 :: width] = False  # from a row's last entry to the next row's first
+    at = rising.nonzero()[0]  # (the method: np.flatnonzero wraps it in Python)
+    starts, ends = flat[at].tolist(), flat[at + 1].tolist()
+    if n == 1:
+        return starts, ends, [0, len(starts)]
+    at_list = at.tolist()
+    return starts, ends, [bisect.bisect_left(at_list, b * width) for b in range(n + 1)]
+
+
+def _rows(starts: list[int], ends: list[int], cuts: list[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per row, the ``(start, end)`` of each of its documents (:func:`_increases`)."""
+    return tuple(tuple(zip(starts[i:j], ends[i:j])) for i, j in zip(cuts, cuts[1:]))
+
+
+def _chained(bounds: np.ndarray, seq_len: int, starts: list[int], ends: list[int], cuts: list[int]) -> bool:
+    """Whether ``bounds`` is valid (every row starts at 0, never decreases and ends at
+    ``seq_len``), read from its increases: each row's documents must chain from 0 to ``seq_len``
+    (each starting where the previous ended) and the row start at 0 and end at ``seq_len``. The
+    same answer: between two increases a row never rises, so it is constant there exactly when
+    the later increase starts where the earlier ended; before the first it is constant exactly
+    when that starts at the row's first entry, 0; after the last exactly when the row ends where
+    that ended, ``seq_len``; a row without increases is constant, so valid exactly when
+    ``seq_len`` is 0."""
+    if bounds.shape[1] == 0:
+        return False
+    firsts, lasts = bounds[:, 0].tolist(), bounds[:, -1].tolist()
+    for b in range(len(firsts)):
+        i, j = cuts[b], cuts[b + 1]
+        if firsts[b] != 0 or lasts[b] != seq_len:
+            return False
+        if i == j:
+            if seq_len != 0:
+                return False
+        elif starts[i] != 0 or ends[j - 1] != seq_len or starts[i + 1 : j] != ends[i : j - 1]:
+            return False
+    return True
+
+
 def cp_degree(local_len: int, seq_len: int) -> int:
     """How many ranks share a row of ``seq_len`` tokens when this one holds ``local_len``: 1 for
     a local call, else the context-parallel degree whose ``torch.chunk`` gives ``local_len``."""
@@ -102,18 +168,6 @@ def validate_bounds(bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int) 
     """Raise ValueError naming the first row and rule that ``cu_seqlens`` breaks."""
     if seq_len > INT32_MAX:  # an int64 cu_seqlens may say so; kernels take 32-bit offsets
         raise ValueError(f"cu_seqlens rows end at {seq_len}, past 2**31 - 1 (kernels take 32-bit offsets)")
-    if isinstance(bounds, np.ndarray) and bounds.ndim == 2 and bounds.shape[1] > 0:
-        # every row at once: starting at 0, non-decreasing and ending at seq_len is valid (no entry
-        # can then pass seq_len); a row that breaks a rule is named by the loop below
-        # (ufunc reductions: ndarray.all() goes through a Python wrapper, and these three cost 1.5%
-        # of a rank's host time per new layout)
-        every = np.logical_and.reduce
-        if (
-            every(bounds[:, 0] == 0)
-            and every(bounds[:, -1] == seq_len)
-            and every(bounds[:, 1:] >= bounds[:, :-1], axis=None)
-        ):
-            return
     for b, row in enumerate(bounds):
         r = np.asarray(row, dtype=np.int64)
         if r[0] != 0:
@@ -136,22 +190,38 @@ def validate_bounds(bounds: Sequence[Sequence[int]] | np.ndarray, seq_len: int) 
             )
 
 
+class _ValuesKey:
+    """A cache key by values: equal when dtype, shape, ``seq_len`` and every value are, hashed on
+    the first :data:`_HASHED` entries of each row alone. Hashing all of them cost 17-20 us at
+    4 x 32k (64 KiB, on every call with a CPU ``cu_seqlens``); the head of a row holds its
+    documents (the rest repeats ``seq_len``), and keys whose heads agree are still told apart
+    by the comparison of all their bytes."""
+
+    __slots__ = ("head", "values", "_hash")
+
+    def __init__(self, dtype: torch.dtype, values: np.ndarray, seq_len: int):
+        self.head = (dtype, values.shape, seq_len, values[..., :_HASHED].tobytes())
+        self.values = values.tobytes()  # (a copy: the key outlives later writes to the tensor)
+        self._hash = hash(self.head)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ValuesKey) and self.head == other.head and self.values == other.values
+
+
 # (values key) -> DocLayout, and (identity key) -> (the tensor, its DocLayout) for non-CPU tensors
-_layouts: OrderedDict[tuple, DocLayout] = OrderedDict()
+_layouts: OrderedDict[_ValuesKey, DocLayout] = OrderedDict()
 _tensors: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
 # the last non-CPU tensor found by identity: [tensor, seq_len, version, layout] (same key, fewer steps)
 _last: list = [None, -1, -1, None]
 
 
-def _lru_put(cache: OrderedDict, key: tuple, value: Any) -> None:
+def _lru_put(cache: OrderedDict, key: Any, value: Any) -> None:
     cache[key] = value
     if len(cache) > _CACHE_SIZE:
         cache.popitem(last=False)
-
-
-def _values_key(host: torch.Tensor, seq_len: int) -> tuple:
-    host = host.contiguous()
-    return (host.dtype, tuple(host.shape), seq_len, host.numpy().tobytes())
 
 
 def _identity_key(cu: torch.Tensor, seq_len: int) -> tuple | None:
@@ -164,26 +234,28 @@ def _identity_key(cu: torch.Tensor, seq_len: int) -> tuple | None:
 
 def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
     """The layout of host values: cached by value, validated before it is cached."""
-    key = _values_key(host, seq_len)
+    values = host.numpy()
+    key = _ValuesKey(host.dtype, values, seq_len)
     layout = _layouts.get(key)
     if layout is not None:
         _layouts.move_to_end(key)
         return layout
     # NumPy, not torch ops: no intra-op pool per layout; int32 values read as they are (an int64
     # copy cost 8 us and slowed every pass over them at 4 x 32k)
-    bounds = host.numpy()
-    if bounds.dtype != np.int32:
-        bounds = bounds.astype(np.int64)
-    validate_bounds(bounds, seq_len)
+    bounds = values if values.dtype == np.int32 else values.astype(np.int64)
+    found = _increases(bounds)
+    if seq_len > INT32_MAX or not _chained(bounds, seq_len, *found):
+        validate_bounds(bounds, seq_len)  # raises, naming the first row and rule broken
+        raise AssertionError("validate_bounds passed values _chained rejects")
     layout = None
     if host.dtype != torch.int32:  # valid values fit int32: share the int32 twin's layout
-        twin = (torch.int32, tuple(host.shape), seq_len, bounds.astype(np.int32).tobytes())
+        twin = _ValuesKey(torch.int32, bounds.astype(np.int32), seq_len)
         layout = _layouts.get(twin)
         if layout is None:
-            layout = DocLayout(bounds, seq_len)
+            layout = DocLayout(bounds, seq_len, documents=_rows(*found))
             _lru_put(_layouts, twin, layout)
     if layout is None:
-        layout = DocLayout(bounds, seq_len)
+        layout = DocLayout(bounds, seq_len, documents=_rows(*found))
     _lru_put(_layouts, key, layout)
     return layout
 
@@ -213,15 +285,12 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     return layout
 
 
-def register(cu_seqlens: torch.Tensor, host: torch.Tensor, seq_len: int) -> DocLayout:
-    """Give the non-CPU tensor ``cu_seqlens`` the validated layout of ``host``, its values on
-    the CPU (the caller's promise: the copy ``cu_seqlens`` was made from), so that calls with it
-    never read it back; returns the layout. Raises ValueError for invalid values."""
-    layout = _layout_of(host.detach(), seq_len)
-    key = _identity_key(cu_seqlens.detach(), seq_len)
+def register(cu_seqlens: torch.Tensor, layout: DocLayout) -> None:
+    """Give the non-CPU tensor ``cu_seqlens`` ``layout``, the validated layout of the host values
+    it was copied from (the caller's promise), so that calls with it never read it back."""
+    key = _identity_key(cu_seqlens.detach(), layout.seq_len)
     if key is not None and cu_seqlens.device.type != "cpu":
         _lru_put(_tensors, key, (cu_seqlens, layout))
-    return layout
 
 
 def registered_seq_len(cu_seqlens: torch.Tensor) -> int | None:

@@ -297,7 +297,7 @@ def test_window_cut_is_the_bisection_cut(data, length, left, start, tail):
     amount = data.draw(st.integers(1, work + 1))
     assert fast._work(doc, a, e) == work
     assert fast._key_range(doc, a, e) == slow._key_range(doc, a, e)
-    assert fast._density([0, a, e, doc, 0]) == slow._density([0, a, e, doc, 0])
+    assert fast._densities([[0, a, e, doc, 0]]) == slow._densities([[0, a, e, doc, 0]])
     assert fast._cut(doc, a, e, amount, tail) == slow._cut(doc, a, e, amount, tail)
 
 

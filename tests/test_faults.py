@@ -407,6 +407,47 @@ def test_equal_values_share_one_layout_and_invalid_values_are_never_cached():
             _doc_layout.get_layout(bad, 8)
 
 
+def test_values_past_the_hashed_head_still_key_the_cache():
+    """Keys hash each row's first ``_HASHED`` entries only: layouts that agree there and differ
+    later (a write through NumPy: no version bump) are still told apart, each validated."""
+    n = _doc_layout._HASHED + 8
+    S = 2 * n
+    cu = torch.tensor([list(range(0, 2 * n, 2)) + [S], list(range(0, 2 * n, 2)) + [S]], dtype=torch.int32)
+    a = _doc_layout.get_layout(cu, S)
+    cu.numpy()[1, n - 1] += 1  # past the hashed head of row 1: its last document one token shorter
+    b = _doc_layout.get_layout(cu, S)
+    assert b is not a and a.rows[1][-2:] == ((2 * n - 4, 2 * n - 2), (2 * n - 2, S))
+    assert b.rows[0] == a.rows[0] and b.rows[1][-2:] == ((2 * n - 4, 2 * n - 1), (2 * n - 1, S))
+    cu.numpy()[1, n - 1] = S + 1  # past seq_len, beyond the head: never a hit on b
+    with pytest.raises(ValueError, match=rf"cu_seqlens\[1\] entry {n - 1} is {S + 1}, past the sequence length {S}"):
+        _doc_layout.get_layout(cu, S)
+    cu.numpy()[1, n - 1] = 2 * n - 2
+    assert _doc_layout.get_layout(cu, S) is a
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(-2, 9), min_size=1, max_size=7), min_size=1, max_size=3),
+    seq_len=st.integers(0, 9),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_layout_reads_agree_with_the_rules_row_by_row(rows, seq_len, dtype):
+    """A ``cu_seqlens`` is valid exactly when every row starts at 0, never decreases and ends at
+    ``seq_len`` (checked here entry by entry), and its documents are the rising steps of each row."""
+    width = max(map(len, rows))
+    rows = [r + r[-1:] * (width - len(r)) for r in rows]
+    valid = all(r[0] == 0 and r[-1] == seq_len and all(x <= y for x, y in zip(r, r[1:])) for r in rows)
+    _doc_layout.clear_cache()
+    cu = torch.tensor(rows, dtype=dtype)
+    if not valid:
+        with pytest.raises(ValueError, match=r"cu_seqlens\[\d+\]"):
+            _doc_layout.get_layout(cu, seq_len)
+        return
+    docs = tuple(tuple((x, y) for x, y in zip(r, r[1:]) if y > x) for r in rows)
+    assert _doc_layout.get_layout(cu, seq_len).rows == docs
+    assert _doc_layout.DocLayout(rows, seq_len).rows == docs
+
+
 def test_per_layout_memo_is_bounded():
     B, S = 2, 64
     cu = dp.cu_seqlens_from_lengths([[20, 44], [64]], S)

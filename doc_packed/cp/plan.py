@@ -248,6 +248,10 @@ class _Planner:
             for d, (ds, de) in enumerate(docs):
                 doc = _Doc(ds, de, row_prefixes[d] if row_prefixes is not None else 0)
                 a, r = ds, ds // cs
+                if de <= (r + 1) * cs:  # inside one shard, and so are its keys (they are its tokens)
+                    by_rank[r].append([b, ds, de, doc, r])
+                    load[r] += work(doc, ds, de)
+                    continue
                 while a < de:  # a piece per shard the document spans
                     e = (r + 1) * cs
                     if e > de:
@@ -425,9 +429,10 @@ class _Planner:
                 if self.load[t] < mean:
                     heapq.heappush(heap, (-(mean - self.load[t]), t))
 
-    def _density(self, p: list) -> float:
-        """Work per query of piece ``p``."""
-        return self._work(p[3], p[1], p[2]) / (p[2] - p[1])
+    def _densities(self, pieces: list[list]) -> list[float]:
+        """Work per query of each piece (one call for all: its key in :meth:`_best_move`'s sort)."""
+        work = self._work
+        return [work(p[3], p[1], p[2]) / (p[2] - p[1]) for p in pieces]
 
     def _best_move(self, h, excess, mean, receivers):
         # the ranks a move may go to, and the room each has (the same all through this call)
@@ -436,10 +441,13 @@ class _Planner:
         own = [p for p in self.by_rank[h] if p[2] > p[1]]
         if not own or not room:
             return None
-        cands = sorted(own, key=self._density, reverse=True)[:_TOP_PIECES]  # nlargest's documented equivalent
+        # the densest pieces first, ties in list order (sorted(own, key=density, reverse=True), by index)
+        density = self._densities(own)
+        cands = [own[i] for i in sorted(range(len(own)), key=density.__getitem__, reverse=True)[:_TOP_PIECES]]
         # runs continuing a document from the previous shard: that shard holds their prefix
-        first, chosen = self.owned[h][0], {id(p) for p in cands}
-        cands += [p for p in own if p[1] == first and p[3].start < p[1] and id(p) not in chosen]
+        # (``not in``: distinct pieces of a rank never compare equal, their runs are disjoint)
+        first = self.owned[h][0]
+        cands += [p for p in own if p[1] == first and p[3].start < p[1] and p not in cands]
         cs, last_rank, query_cost = self.cs, self.c - 1, self.query_cost
         # the loops' calls, looked up once
         work, cut, key_range, new_keys = self._work, self._cut, self._key_range, self._new_keys
@@ -449,9 +457,10 @@ class _Planner:
             w = work(doc, a, e)
             if w == 0:
                 continue
-            amount = max(1, int(min(excess, w)))
-            sides = (True,) if amount >= w else (True, False)
-            for tail in sides:
+            amount = w if w < excess else int(excess)  # max(1, int(min(excess, w))), inline
+            if amount < 1:
+                amount = 1
+            for tail in (True,) if amount >= w else (True, False):
                 ma, me = cut(doc, a, e, amount, tail)
                 moved = work(doc, ma, me)
                 if moved == 0:
@@ -463,11 +472,16 @@ class _Planner:
                 if queries / moved >= best_score:
                     continue
                 ks, ke = key_range(doc, ma, me)
-                # the owners of the keys form a range: take its last two ranks but h
-                hi = (ke - 1) // cs
-                owners = range(ks // cs, hi + 1 if hi < last_rank else last_rank + 1)
-                dests = [r for r in owners[-3:] if r != h][-2:] + receivers
-                for t in dests:
+                # the owners of the keys form a range [ks // cs, top]: its last two ranks but h
+                # (at most one of the last three is h), then the receivers
+                top = (ke - 1) // cs
+                if top > last_rank:
+                    top = last_rank
+                if top == h:
+                    top -= 1
+                below = top - 1 if top - 1 != h else top - 2
+                lo = ks // cs
+                for t in ([below, top] if below >= lo else [top] if top >= lo else []) + receivers:
                     space = room.get(t)
                     if space is None:
                         continue
@@ -511,14 +525,15 @@ class _Planner:
         out = []
         for r in range(self.c):
             merged: list[list] = []
+            q = None  # the last run of merged
             for p in sorted(self.by_rank[r], key=_ROW_START):
                 if p[2] <= p[1]:
                     continue
-                q = merged[-1] if merged else None
                 if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
-                    merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
+                    q = merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
                 else:
                     merged.append(p)
+                    q = p
             out.append(merged)
         return out
 
@@ -624,10 +639,10 @@ class _CausalPlanner(_Planner):
         rq, rk, rm = super()._extra_rows(r, rest) if rest else (0, 0, 0)
         return q + rq, k + rk, m + rm
 
-    def _density(self, p: list) -> float:
+    def _densities(self, pieces: list[list]) -> list[float]:
         # pairs / queries of a causal run [i0, i1) is (i0 + i1 + 1) / 2, exactly (the pairs are
         # (i1 - i0)(i0 + i1 + 1) / 2): the same floats, so the same order, as the base class's
-        return (p[1] + p[2] - 2 * p[3].start + 1) / 2
+        return [(p[1] + p[2] - 2 * p[3].start + 1) / 2 for p in pieces]
 
     def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
         # F(m) = m (m + 1) / 2 (_causal_pairs) and its inverse, the largest m with F(m) <= t, by an
@@ -675,14 +690,18 @@ class _WindowPlanner(_CausalPlanner):
         ks = a - self.left
         return (ks if ks > doc.start else doc.start), e
 
-    def _density(self, p: list) -> float:
-        # the base class's (pairs / queries, the same int over the same int) without the call
-        a, e, k, start = p[1], p[2], self.left + 1, p[3].start
-        i0, i1 = a - start, e - start
-        if i0 >= k:
-            return (i1 - i0) * k / (e - a)
-        f1 = i1 * (i1 + 1) // 2 if i1 <= k else k * (2 * i1 - k + 1) // 2
-        return (f1 - i0 * (i0 + 1) // 2) / (e - a)
+    def _densities(self, pieces: list[list]) -> list[float]:
+        # the base class's (pairs / queries, the same int over the same int) without the calls
+        k, out = self.left + 1, []
+        for p in pieces:
+            a, e, start = p[1], p[2], p[3].start
+            i0, i1 = a - start, e - start
+            if i0 >= k:
+                out.append((i1 - i0) * k / (e - a))
+            else:
+                f1 = i1 * (i1 + 1) // 2 if i1 <= k else k * (2 * i1 - k + 1) // 2
+                out.append((f1 - i0 * (i0 + 1) // 2) / (e - a))
+        return out
 
     def _cut(self, doc: _Doc, a: int, e: int, amount: int, tail: bool) -> tuple[int, int]:
         # the base class's bisection answers with F's inverse: below F(K) = K (K + 1) / 2 the
@@ -724,13 +743,20 @@ def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
 
 
 def _union(ranges) -> list[tuple[int, int, int]]:
+    """The ``(batch, start, end)`` ranges merged where they overlap or touch, sorted (the open
+    range kept in locals, a tuple made once per merged range)."""
     out: list[tuple[int, int, int]] = []
+    cb, cs, ce = -1, 0, 0
     for b, s, e in sorted(ranges):
-        if out and out[-1][0] == b and s <= out[-1][2]:
-            if e > out[-1][2]:
-                out[-1] = (b, out[-1][1], e)
+        if b == cb and s <= ce:
+            if e > ce:
+                ce = e
         else:
-            out.append((b, s, e))
+            if cb >= 0:
+                out.append((cb, cs, ce))
+            cb, cs, ce = b, s, e
+    if cb >= 0:
+        out.append((cb, cs, ce))
     return out
 
 

@@ -78,7 +78,7 @@ def prepare(
     if host.device.type != "cpu" or dev.type == "cpu":
         return cu
     moved = queue_to(host.contiguous(), dev)
-    _doc_layout.register(moved, host, seq_len)
+    _doc_layout.register(moved, layout)  # (the host values' layout: read once)
     return moved
 
 
