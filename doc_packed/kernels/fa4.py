@@ -481,7 +481,7 @@ def _backward(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softc
             # and a compiler's tensor work is not the program's); a second one is final
             programs[key] = new if new is not None or steps is _RETRY else _RETRY
         if kind is not None and (new is not None or steps is _RETRY):
-            _FORMS.learn_steps(kind, new, tensors, offsets)
+            _FORMS.learn_steps(kind, new, feats, offsets)
         return result[:3]
     return bwd(*tensors, **kwargs)[:3]
 

@@ -1,11 +1,11 @@
 """FA4 recordings carried across layouts: a layout's first call launched without FA4's Python.
 
 :mod:`.fa4_launch` records FA4's launches once per problem (spec) and replays them for later
-layers. A training step meets new problems every layout, and their first calls still run FA4's
-Python and are recorded (forward ~450 us, backward ~950 us of host time on an H200, against
-~55 and ~195 us replayed). Problems of one *kind* (FA4's compile facts, the mask's window, the
-tensors' per-row shapes, dtypes and scalars: the caller's key) differ only in their row counts
-and offsets, so a recording of one is a form for the others:
+layers. A training step meets new problems every layout, and their first calls still ran FA4's
+Python and were recorded (host time per call on an H200: forward 196 us, backward 623 us,
+against 32 and 111 us replayed; docs/kernels.md). Problems of one *kind* (FA4's compile facts,
+the mask's window, the tensors' per-row shapes, dtypes and scalars: the caller's key) differ
+only in their row counts and offsets, so a recording of one is a form for the others:
 
 * **forward** (:func:`adopt_launch`): on Hopper with FA4 4.0.0b36 the compiled forward takes
   nothing of the layout but its offsets (the grid follows from the tensors inside the compiled
@@ -18,11 +18,13 @@ and offsets, so a recording of one is a form for the others:
   a tile size) for ``T`` in ``(T_q, T_k)``; a program is adopted only when every explanation
   left predicts the same size for the new problem.
 
-A kind is trusted once :data:`AGREE` (backward: :data:`AGREE_STEPS`) recordings of different problems agreed (the same kernels
-and every other argument, every allocation contiguous and explained); one recording that
-disagrees, or a first call FA4 could not have replayed, ends it for the kind. Agreement catches
-a layout argument or size rule, not a kernel chosen by a layout the recordings did not show:
-the caller turns this on only where FA4's source was read and the result checked on the GPU.
+A kind is trusted once :data:`AGREE` (backward: :data:`AGREE_STEPS`) recordings agreed (the
+same kernels and every other argument, every allocation contiguous and explained); one
+recording that disagrees, or a first call FA4 could not have replayed, ends it for the kind.
+Agreement catches a layout argument or size rule, not a kernel chosen by a layout the
+recordings did not show: the caller (``kernels.fa4``) turns this on only where FA4's source was
+read and the results checked on the GPU, and uses the trusted forms for first calls and ahead
+of them (``fa4.prepare``, run by ``doc_packed.cp.prepare``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
 from .fa4_launch import Launch, Steps
 
@@ -94,11 +95,6 @@ def adopt_launch(form: _LaunchForm, T: int, H: int, D_v: int, offsets: tuple, ne
 
 
 # ----------------------------------------------------------------------------- backward programs
-
-
-def _features(inputs: tuple[Tensor, ...], offsets: tuple) -> tuple[int, int, int]:
-    """``(T_q, T_k, L)``: the row counts of q and k and the number of offsets."""
-    return inputs[0].shape[0], inputs[1].shape[0], offsets[0].numel()
 
 
 def _round_up(T: int, L: int, b: int) -> int:
@@ -269,16 +265,15 @@ class Forms:
         entry = self._steps.get(kind)
         return entry[0] if entry is not None and entry[1] >= AGREE_STEPS else None
 
-    def learn_steps(self, kind: tuple, steps: Steps | None, inputs: tuple[Tensor, ...], offsets: tuple) -> None:
-        """Count a backward recording of ``kind`` on ``inputs`` (None: FA4's call was not a
-        fixed program)."""
+    def learn_steps(self, kind: tuple, steps: Steps | None, feats: tuple[int, int, int], offsets: tuple) -> None:
+        """Count a backward recording of ``kind`` with ``feats`` = ``(T_q, T_k, L)`` (None: FA4's
+        call was not a fixed program)."""
         made = None if steps is None else _skeleton(steps, offsets)
         if kind not in self._steps:
             if len(self._steps) < _MAX_KINDS:
                 if made is None:
                     self._steps[kind] = None
                 else:
-                    feats = _features(inputs, offsets)
                     self._steps[kind] = (_StepsForm(made[0], [_explanations(v, feats) for v in made[1]]), 1)
             return
         entry = self._steps[kind]
@@ -288,7 +283,6 @@ class Forms:
         if made is None or not _same_skeleton(made[0], form.skeleton) or len(made[1]) != len(form.rules):
             self._steps[kind] = None
             return
-        feats = _features(inputs, offsets)
         rules = [r & _explanations(v, feats) for r, v in zip(form.rules, made[1])]
         if not all(rules):
             self._steps[kind] = None
