@@ -118,24 +118,12 @@ def test_interface_missing_or_moved_raises_naming_the_module(monkeypatch):
     with pytest.raises(fa4.Unavailable, match=r"flash_attn\.cute\.interface has no _flash_attn_bwd"):
         fa4._interface()
 
-    def old_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        softmax_scale=None,
-        causal=False,
-        window_size=(None, None),
-    ):
+    def old_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None)):
         pass
 
     _fake_interface(monkeypatch, fwd=old_fwd, bwd=_oracle_bwd)
-    with pytest.raises(
-        fa4.Unavailable, match="_flash_attn_fwd takes no window_size_left, window_size_right, return_lse"
-    ):
+    with pytest.raises(fa4.Unavailable, match="_flash_attn_fwd takes no window_size_left, window_size_right, return_lse"):
         fa4._interface()
     monkeypatch.setitem(sys.modules, fa4.MODULE, None)  # import fails
     with pytest.raises(fa4.Unavailable, match=r"cannot import flash_attn\.cute\.interface .*doc-packed\[fa4\]"):
@@ -148,7 +136,7 @@ def test_interface_missing_or_moved_raises_naming_the_module(monkeypatch):
 @pytest.mark.parametrize(
     "causal,left,right,want",
     [
-        (True, -1, -1, (None, 0)),  # the spec stores causal as right = 0; FA4 reads it as causal
+        (True, -1, -1, (None, 0)),    # the spec stores causal as right = 0; FA4 reads it as causal
         (True, 64, -1, (64, 0)),
         (False, -1, -1, (None, None)),
         (False, 32, 16, (32, 16)),
@@ -177,64 +165,24 @@ def _spec_from_fa4_args(kw) -> VarlenSpec:
     return spec
 
 
-def _oracle_fwd(
-    q,
-    k,
-    v,
-    qv=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    softmax_scale=None,
-    causal=False,
-    window_size_left=None,
-    window_size_right=None,
-    return_lse=False,
-    **rest,
-):
-    kw = dict(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-    )
+def _oracle_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                max_seqlen_k=None, softmax_scale=None, causal=False, window_size_left=None,
+                window_size_right=None, return_lse=False, **rest):
+    kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, causal=causal, window_size_left=window_size_left,
+              window_size_right=window_size_right)
     CALLS.append(dict(kw, pass_="fwd", q=q, k=k, return_lse=return_lse, rest=rest))
     out, lse = math_kernel.forward(_spec_from_fa4_args(kw), q, k, v, softmax_scale)
     return out, (lse if return_lse else None), None, None, None  # FA4 writes lse only when asked
 
 
-def _oracle_bwd(
-    q,
-    k,
-    v,
-    out,
-    dout,
-    lse,
-    softmax_scale=None,
-    causal=False,
-    softcap=0.0,
-    window_size_left=None,
-    window_size_right=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    deterministic=False,
-    **rest,
-):
-    kw = dict(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        causal=causal,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-    )
+def _oracle_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                window_size_left=None, window_size_right=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
+                **rest):
+    kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, causal=causal, window_size_left=window_size_left,
+              window_size_right=window_size_right)
     CALLS.append(dict(kw, pass_="bwd", q=q, k=k, lse=lse, rest=rest))
     return math_kernel.backward(_spec_from_fa4_args(kw), dout, q, k, v, out, lse, softmax_scale)
 
@@ -250,7 +198,9 @@ def oracle_fa4(monkeypatch):
     CALLS.clear()
 
 
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (4, 3))])
+@pytest.mark.parametrize(
+    "causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)), (False, (4, 3))]
+)
 @pytest.mark.parametrize("backend", ["fa4", "auto"])
 def test_op_on_fa4_matches_oracle(oracle_fa4, rng, causal, window, backend):
     # B = 2 rows with zero-length and 1-token documents; GQA 4:1
@@ -259,7 +209,8 @@ def test_op_on_fa4_matches_oracle(oracle_fa4, rng, causal, window, backend):
     cu = dp.cu_seqlens_from_lengths(lengths, S, max_docs=12)
     q = torch.randn(2, S, Hq, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, S, Hkv, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    out, lse = dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window, return_lse=True, backend=backend)
+    out, lse = dp.doc_packed_attn(q, k, v, cu, causal=causal, window_size=window,
+                                  return_lse=True, backend=backend)
     ref_out, ref_lse = reference(q, k, v, cu, causal, window)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
@@ -350,13 +301,7 @@ def test_context_parallel_spec_runs_fa4_under_auto(oracle_fa4):
         (_fake_q(dtype=torch.float32), 2, (9, 0), True, r"needs float16/bfloat16, got torch\.float32"),
         (_fake_q(), 2, (8, 0), True, r"needs compute capability 9\.x or 10\.x, got 8\.0"),
         (_fake_q(), 2, (12, 0), True, r"needs compute capability 9\.x or 10\.x, got 12\.0"),
-        (
-            _fake_q(head_dim=72 + 4),
-            2,
-            (9, 0),
-            True,
-            r"needs head dim % 8 == 0 and 8\.\.256 on compute capability 9\.x, got 76",
-        ),
+        (_fake_q(head_dim=72 + 4), 2, (9, 0), True, r"needs head dim % 8 == 0 and 8\.\.256 on compute capability 9\.x, got 76"),
         (_fake_q(head_dim=264), 2, (9, 0), True, "got 264"),
         (_fake_q(head_dim=192), 2, (10, 0), True, r"8\.\.128, or 256 on compute capability 10\.x, got 192"),
         (_fake_q(heads=6), 2, (9, 0), True, "q heads / kv heads a power of two <= 128, got 6 / 2"),
@@ -400,10 +345,7 @@ def test_forced_fa4_on_cpu_raises_before_any_kernel():
 def test_unknown_backend_lists_the_table():
     q = torch.randn(1, 16, 4, 64)
     cu = dp.cu_seqlens_from_lengths([[16]], 16)
-    with pytest.raises(
-        ValueError,
-        match=r"backend must be one of \('auto', 'auto-isolated', 'auto-invariant', 'fa4', 'flex', 'flash', 'math'\), got 'fa3'",
-    ):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'auto-isolated', 'auto-invariant', 'fa4', 'flex', 'flash', 'math'\), got 'fa3'"):
         dp.doc_packed_attn(q, q, q, cu, backend="fa3", causal=True)
 
 
@@ -431,9 +373,8 @@ def test_auto_prefers_fa4_on_hopper_and_blackwell(hopper, monkeypatch):
 def test_auto_falls_back_where_fa4_cannot(hopper, monkeypatch, change, local, cp):
     monkeypatch.setattr(fa4, "available", lambda: change.get("installed", True))
     monkeypatch.setattr(fa4, "_capability", lambda index: change.get("cap", (9, 0)))
-    q = _fake_q(
-        dtype=change.get("dtype", torch.bfloat16), heads=change.get("heads", 8), head_dim=change.get("head_dim", 128)
-    )
+    q = _fake_q(dtype=change.get("dtype", torch.bfloat16), heads=change.get("heads", 8),
+                head_dim=change.get("head_dim", 128))
     assert kernels.choose("auto", LOCAL, q, 2) == local
     assert kernels.choose("auto", CP, q, 2) == cp
 
@@ -458,9 +399,7 @@ def test_auto_warns_and_moves_on_when_fa4_cannot_load(monkeypatch):
     q = torch.randn(256, 2, 16)
     spec = VarlenSpec([0, 256], [0, 256], True, -1, 0, row_len=256)
     assert kernels.choose("auto", spec, q, 2) == "fa4"
-    with pytest.warns(
-        RuntimeWarning, match="backend 'fa4' failed .*cannot import flash_attn.cute.interface.*uses 'math'"
-    ):
+    with pytest.warns(RuntimeWarning, match="backend 'fa4' failed .*cannot import flash_attn.cute.interface.*uses 'math'"):
         out, _ = kernels.forward(spec, q, q, q, 0.25, "auto")
     torch.testing.assert_close(out, kernels.forward(spec, q, q, q, 0.25, "math")[0])
     assert kernels.choose("auto", spec, q, 2) == "math"
@@ -491,9 +430,8 @@ def test_env_report_says_why_not(monkeypatch):
 
 
 def test_python_m_env_runs():
-    res = subprocess.run(
-        [sys.executable, "-m", "doc_packed.env"], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
+    res = subprocess.run([sys.executable, "-m", "doc_packed.env"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "fa4: " in res.stdout and "auto would run " in res.stdout
 

@@ -57,13 +57,8 @@ def test_cuda_parity(dtype, causal, window, heads):
 @needs_fa4
 @pytest.mark.parametrize(
     "dtype,heads,head_dim",
-    [
-        (torch.bfloat16, (8, 8), 64),
-        (torch.bfloat16, (8, 2), 64),
-        (torch.bfloat16, (8, 1), 64),
-        (torch.float16, (8, 2), 64),
-        (torch.bfloat16, (8, 2), 128),
-    ],
+    [(torch.bfloat16, (8, 8), 64), (torch.bfloat16, (8, 2), 64), (torch.bfloat16, (8, 1), 64),
+     (torch.float16, (8, 2), 64), (torch.bfloat16, (8, 2), 128)],
 )
 def test_fa4_parity(dtype, heads, head_dim):
     # GQA 1/4/8, D 64/128, every mask; B = 2 with zero-length and 1-token documents
@@ -110,9 +105,8 @@ def test_fa4_context_parallel_shape_empty_rows_and_mixed_passes():
     spec, (q, k, v, dout), out, lse, grads, ref, live = _cp_shaped_problem("fa4")
     assert kernels.choose("auto", spec, q, 2) == "fa4"
     assert lse.dtype == torch.float32 and lse.shape == (8, 512)
-    want = kernels.backward(
-        spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(), v.double().cpu(), *ref, 0.125, "math"
-    )
+    want = kernels.backward(spec, dout.double().cpu(), q.double().cpu(), k.double().cpu(),
+                            v.double().cpu(), *ref, 0.125, "math")
     for a, b in zip(grads, want):
         assert rel(a.cpu(), b) <= 2e-2
     # (out, lse) of one backend drive another's backward, both ways (flex: tested against flash)
