@@ -269,7 +269,7 @@ def forward(
     if launch is _UNSEEN:  # the first call with this key: another layout's launch, or FA4 runs and is recorded
         assert launches is not None and key is not None
         offsets = (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
-        kind = _kind(spec, key, q)
+        kind = _kind(spec, q, k, v, (scale, softcap, need_lse))
         form = None if kind is None else _FORMS.launch(kind)
         if form is not None:
             launch = fa4_forms.adopt_launch(form, q.shape[0], q.shape[1], v.shape[-1], offsets, need_lse)
@@ -305,15 +305,15 @@ _ADOPT_RELEASES = ("4.0.0b36",)
 _FORMS = fa4_forms.Forms()  # what each kind's recordings agree on (fa4_forms)
 
 
-def _kind(spec: VarlenSpec, key: tuple, q: Tensor) -> tuple | None:
-    """What selects a forward's kernel and every argument but the tensors: the replay key less
-    the tensors' lengths (rows), the spec's compile facts and window; None where adoption is
-    off (not Hopper, or a call FA4 launches nothing for)."""
+def _kind(spec: VarlenSpec, q: Tensor, k: Tensor, v: Tensor, scalars: tuple) -> tuple | None:
+    """What selects a forward's kernel and every argument but the tensors: what
+    :func:`fa4_launch.key` holds less the tensors' lengths (rows), the spec's compile facts and
+    window; None where adoption is off (not Hopper, or a call FA4 launches nothing for)."""
     facts = compile_facts(spec)
     if facts is None or not _adopts(q):
         return None
-    _, qs, qst, ks, kst, vs, vst, *rest = key
-    return (qs[1:], qst, ks[1:], kst, vs[1:], vst, *rest, facts, window(spec))
+    per_row = (q.shape[1:], q.stride(), k.shape[1:], k.stride(), v.shape[1:], v.stride())
+    return (*per_row, q.dtype, q.device, *scalars, facts, window(spec))
 
 
 def _steps_kind(spec: VarlenSpec, tensors: tuple[Tensor, ...], scale: float, softcap: float) -> tuple | None:
@@ -374,16 +374,8 @@ def _prepare_forwards(spec: VarlenSpec, where: tuple, offsets: tuple) -> int:
         qs, qst, ks, kst, vs, vst, dtype, dev, scale, softcap, need_lse, facts, win = kind
         if (facts, win, dev) != where:
             continue
-        key: tuple = (
-            "fa4-launch",
-            torch.Size((T_q, *qs)),
-            qst,
-            torch.Size((T_k, *ks)),
-            kst,
-            torch.Size((T_k, *vs)),
-            vst,
-        )
-        key += (dtype, dev, scale, softcap, need_lse)  # fa4_launch.key's tuple
+        shapes = ((T_q, *qs), qst), ((T_k, *ks), kst), ((T_k, *vs), vst)
+        key = fa4_launch.key_of(tuple((torch.Size(n), st) for n, st in shapes), dtype, dev, scale, softcap, need_lse)
         if key not in launches and len(launches) < _MAX_LAUNCHES:
             launches[key] = fa4_forms.adopt_launch(form, T_q, qs[0], vs[-1], offsets, need_lse)
             made += 1
@@ -397,12 +389,12 @@ def _prepare_backwards(spec: VarlenSpec, where: tuple, offsets: tuple) -> int:
         scale, softcap, dev, facts, win, *tensors = kind
         if (facts, win, dev) != where:
             continue
-        key: tuple = ("fa4-steps", scale, softcap)  # fa4_launch.steps_key's tuple
+        parts = []
         for i, (per_row, dtype, stride) in enumerate(tensors):  # (q, k, v, out, dout, lse)
             rows = T_k if i in (1, 2) else T_q
             shape = torch.Size((*per_row, rows) if i == len(tensors) - 1 else (rows, *per_row))
-            key += (shape, stride if stride is not None else fa4_forms.contiguous_stride(shape), dtype)
-        key += (dev,)
+            parts.append((shape, stride if stride is not None else fa4_forms.contiguous_stride(shape), dtype))
+        key = fa4_launch.steps_key_of(parts, dev, scale, softcap)
         if key in programs or len(programs) >= _MAX_LAUNCHES:
             continue
         program = fa4_forms.adopt_steps(form, (T_q, T_k, len(spec.cu_q)), offsets)

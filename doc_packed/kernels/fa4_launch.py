@@ -49,11 +49,13 @@ __all__ = [
     "counts",
     "enabled",
     "key",
+    "key_of",
     "record",
     "record_steps",
     "replay",
     "replay_steps",
     "steps_key",
+    "steps_key_of",
     "tally",
 ]
 
@@ -99,20 +101,15 @@ def key(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, need_lse:
     for t in (q, k, v):
         if t.data_ptr() % _ALIGN:
             return None
-    return (
-        "fa4-launch",
-        q.shape,
-        q.stride(),
-        k.shape,
-        k.stride(),
-        v.shape,
-        v.stride(),
-        q.dtype,
-        q.device,
-        scale,
-        softcap,
-        need_lse,
-    )
+    tensors = ((q.shape, q.stride()), (k.shape, k.stride()), (v.shape, v.stride()))
+    return key_of(tensors, q.dtype, q.device, scale, softcap, need_lse)
+
+
+def key_of(tensors: tuple, dtype: torch.dtype, device: torch.device, scale: float, softcap: float, need_lse: bool):
+    """:func:`key` of a call on q, k, v of these ``(shape, stride)`` (aligned), without the
+    tensors: for a call made ahead of its tensors (``kernels.fa4.prepare``)."""
+    (qs, qst), (ks, kst), (vs, vst) = tensors
+    return ("fa4-launch", qs, qst, ks, kst, vs, vst, dtype, device, scale, softcap, need_lse)
 
 
 def record(fwd: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, offsets: tuple, kwargs: dict):
@@ -203,12 +200,18 @@ class Steps(NamedTuple):
 def steps_key(tensors: tuple[Tensor, ...], scale: float, softcap: float) -> tuple | None:
     """What (besides the spec) FA4's choices depend on for a call on ``tensors``; None when a
     tensor is misaligned (its compiled kernels assume 16-byte starts)."""
+    if any(t.data_ptr() % _ALIGN for t in tensors):
+        return None
+    return steps_key_of([(t.shape, t.stride(), t.dtype) for t in tensors], tensors[0].device, scale, softcap)
+
+
+def steps_key_of(tensors: list, device: torch.device, scale: float, softcap: float) -> tuple:
+    """:func:`steps_key` of a call on tensors of these ``(shape, stride, dtype)`` (aligned),
+    without the tensors (``kernels.fa4.prepare``)."""
     parts: list = ["fa4-steps", scale, softcap]
-    for t in tensors:
-        if t.data_ptr() % _ALIGN:
-            return None
-        parts += [t.shape, t.stride(), t.dtype]
-    parts.append(tensors[0].device)
+    for shape, stride, dtype in tensors:
+        parts += [shape, stride, dtype]
+    parts.append(device)
     return tuple(parts)
 
 
