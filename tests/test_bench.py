@@ -43,6 +43,7 @@ DRY_RUNS = {
     "simulate_cp": ([], False, False),
     "bench_packing_ab": ([], False, False),
     "measure_doc_cost": ([], False, False),
+    "measure_collectives": ([], False, True),
 }
 # scripts without a CPU dry run yet: what they measure is FA4's own entry points (bench_gqa_rows,
 # bench_host_layers, bench_first_call) or CUDA rates (measure_rates), with nothing on CPU to stand in
@@ -124,3 +125,8 @@ def test_dry_run(name, tmp_path):
         # the slowest steps' stall counters: every rank's, the context switches counted
         stalls = [x for x in run.stdout.splitlines() if "allocators, faults, switches" in x]
         assert stalls and all("r0 " in x and "r1 " in x and "switches" in x for x in stalls), stalls
+    if name == "measure_collectives":  # 4 ranks: each of the 6 pairs, each mesh dim's groups, the world; 3 kinds each
+        rows = [x for x in run.stdout.splitlines() if x.startswith("| ") and not x.startswith("| group")]
+        groups = {r.split(" | ")[0][2:] for r in rows}
+        assert len(groups) == 6 + 2 + 1 and len(rows) == 3 * len(groups), run.stdout
+        assert {r.split(" | ")[1] for r in rows} == {"all_to_all", "all_gather", "reduce_scatter"}
