@@ -72,3 +72,30 @@ def test_unknown_mode_is_refused():
     cu = dp.cu_seqlens_from_lengths([[8]], 8)
     with pytest.raises(ValueError, match="backend must be one of"):
         dp.doc_packed_attn(q, q, q, cu, backend="auto-fast", causal=True)
+
+
+def test_context_parallel_choices_are_shared_across_layouts_and_match_choose(monkeypatch):
+    """A new layout's first context-parallel call chooses without running the rules again (the
+    memo spans specs), and what it gets is what choose gives that spec: the rules read of a
+    context-parallel spec only whether it has bidirectional prefixes."""
+    asked = []
+
+    def fa4_rule(q, spec, kv, var):
+        asked.append(spec)
+        return "stand-in: no prefixes" if spec is not None and spec.prefix is not None else None
+
+    table = tuple(b._replace(why_not=fa4_rule) if b.name == "fa4" else b for b in _table({"flex", "flash"}))
+    monkeypatch.setattr(kernels, "TABLE", table)
+    monkeypatch.setattr(kernels, "_CP_CHOICES", {})
+    q, var = torch.empty(16, 4, 8), kernels.Variant()
+    layouts = [([0, 8], [0, 8]), ([0, 3, 8], [0, 5, 9]), ([0, 1, 2, 8], [0, 4, 4, 12])]
+    plain = [VarlenSpec(cq, ck, True, -1, 0) for cq, ck in layouts]
+    prefixed = [VarlenSpec(cq, ck, True, -1, 0, prefix=[1] * (len(cq) - 1)) for cq, ck in layouts]
+    got = [kernels._chosen("auto", s, q, 2, var) for s in plain + prefixed]
+    assert len(asked) == 2  # one choice per prefix class, not per layout
+    assert got == [kernels.choose("auto", s, q, 2, var) for s in plain + prefixed] == ["fa4"] * 3 + ["math"] * 3
+    asked.clear()
+    # local calls (flex reads their rows) and forced backends stay per spec
+    for s in (LOCAL, VarlenSpec([0, 4, 16], [0, 4, 16], True, -1, 0, row_len=16)):
+        kernels._chosen("auto", s, q, 2, var)
+    assert len(asked) == 2

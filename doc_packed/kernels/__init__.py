@@ -193,10 +193,23 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
 
 
 def _chosen(backend: str, spec: VarlenSpec, q: torch.Tensor, kv_heads: int, variant: Variant) -> str:
-    """:func:`choose`, memoised on the spec (every layer of a step shares it; the support rules
-    read metadata only) until a backend breaks."""
+    """:func:`choose`, memoised until a backend breaks (the support rules read metadata only):
+    per spec for local calls (flex reads their row lengths), and across specs for an automatic
+    mode's context-parallel calls, where the rules read nothing of the spec but whether it has
+    bidirectional prefixes (flex is skipped; fa4 and flash read only ``spec.prefix``), so a new
+    layout's first call chooses as fast as its later ones."""
     key = ("backend", backend, q.dtype, q.device, q.shape[1:], kv_heads, variant, len(_broken))
-    return spec.cached(key, lambda: choose(backend, spec, q, kv_heads, variant))
+    if spec.row_len is not None or backend not in AUTO_MODES:
+        return spec.cached(key, lambda: choose(backend, spec, q, kv_heads, variant))
+    shared = (*key, spec.prefix is None)
+    name = _CP_CHOICES.get(shared)
+    if name is None:
+        name = _CP_CHOICES[shared] = choose(backend, spec, q, kv_heads, variant)
+    return name
+
+
+# an automatic mode's choice for context-parallel calls, by everything it reads (:func:`_chosen`)
+_CP_CHOICES: dict[tuple, str] = {}
 
 
 def _run(
