@@ -44,6 +44,7 @@ DRY_RUNS = {
     "bench_packing_ab": ([], False, False),
     "measure_doc_cost": ([], False, False),
     "measure_collectives": ([], False, True),
+    "trace_collectives": ([], False, False),
 }
 # scripts without a CPU dry run yet: what they measure is FA4's own entry points (bench_gqa_rows,
 # bench_host_layers, bench_first_call) or CUDA rates (measure_rates), with nothing on CPU to stand in
@@ -125,6 +126,9 @@ def test_dry_run(name, tmp_path):
         # the slowest steps' stall counters: every rank's, the context switches counted
         stalls = [x for x in run.stdout.splitlines() if "allocators, faults, switches" in x]
         assert stalls and all("r0 " in x and "r1 " in x and "switches" in x for x in stalls), stalls
+    if name == "trace_collectives":  # rank 0 waits 100 us at each of 3 calls, then both move for 50 us
+        rows = {r.split(" | ")[0][2:]: r.split(" | ")[2:6] for r in run.stdout.splitlines() if r.startswith("| 0 ") or r.startswith("| 1 ")}
+        assert rows == {"0": ["3", "450", "300", "150"], "1": ["3", "150", "0", "150"]}, run.stdout
     if name == "measure_collectives":  # 4 ranks: each of the 6 pairs, each mesh dim's groups, the world; 3 kinds each
         rows = [x for x in run.stdout.splitlines() if x.startswith("| ") and not x.startswith("| group")]
         groups = {r.split(" | ")[0][2:] for r in rows}
