@@ -7,7 +7,8 @@ layouts' recordings (doc_packed/kernels/fa4_forms.py). Each problem's offsets ar
 device before its first call, as a context-parallel schedule queues them with its indices.
 This times, per call on the host (no synchronisation inside the timed call; the device drained
 between calls), over ``--layouts`` new context-parallel-shaped problems, alternating: first
-calls recorded (``DOC_PACKED_FA4_ADOPT=0``) and adopted, against a later call replayed (the
+calls recorded (``DOC_PACKED_FA4_ADOPT=0``), adopted, and made ahead by ``kernels.fa4.prepare``
+(what ``doc_packed.cp.prepare`` does before a step; the prepare itself untimed), against a later call replayed (the
 anchor), forward and backward. Usage: ``python -m bench.bench_first_call [--layouts 40]
 [--tq 8192]``.
 """
@@ -53,23 +54,27 @@ def main(argv: list[str] | None = None) -> None:
     rng, scale = random.Random(0), D**-0.5
     mk = lambda T, h: torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     times: dict[str, list[float]] = {}
-    for i in range(args.layouts + 4):  # the first four: compiles and the kinds' agreement
+    for i in range(args.layouts + 6):  # the first six: compiles and the kinds' agreement
         spec = _spec(rng, args.tq)
         q, k, v = mk(args.tq, HQ), mk(spec.total_k, HKV), mk(spec.total_k, HKV)
         spec.cu_tensors(q.device)  # queued ahead, as a schedule's offsets are
-        adopt = i % 2 == 1  # alternate: recorded and adopted first calls on like layouts
-        os.environ["DOC_PACKED_FA4_ADOPT"] = "1" if adopt else "0"
+        # alternate on like layouts: first calls recorded, adopted, and made ahead by prepare (untimed,
+        # as doc_packed.cp.prepare makes them before the step)
+        how = ("recorded", "adopted", "prepared")[i % 3]
+        os.environ["DOC_PACKED_FA4_ADOPT"] = "0" if how == "recorded" else "1"
+        if how == "prepared":
+            fa4.prepare(spec, q.device)
         first, (out, lse) = _host_us(lambda: fa4.forward(spec, q, k, v, scale))
         later, _ = _host_us(lambda: fa4.forward(spec, q, k, v, scale))
         dout = torch.randn_like(out)
         bwd_first, _ = _host_us(lambda: fa4.backward(spec, dout, q, k, v, out, lse, scale))
         bwd_later, _ = _host_us(lambda: fa4.backward(spec, dout, q, k, v, out, lse, scale))
-        if i < 4:
+        if i < 6:
             continue
         rows = {
-            "forward, first (adopted)" if adopt else "forward, first (recorded)": first,
+            f"forward, first ({how})": first,
             "forward, later (replayed)": later,
-            "backward, first (adopted)" if adopt else "backward, first (recorded)": bwd_first,
+            f"backward, first ({how})": bwd_first,
             "backward, later (replayed)": bwd_later,
         }
         for name, us in rows.items():
