@@ -8,9 +8,10 @@ on (docs/private_apis.md). Nothing is imported from AutoParallel when this modul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from doc_packed._compat import PrivateAPIError, private
 __all__ = [
     "CHECKED_AUTOPARALLEL",
     "chosen_decisions",
+    "edge_costs",
     "installed",
+    "move_cost",
     "reset_compute_cost_cache",
     "solution_cost",
     "solver_flops_per_us",
@@ -93,6 +96,34 @@ def topology_config(num_hosts: int, gpus_per_host: int, **kwargs: Any) -> Any:
     an 87.7 GB/s link model."""
     fn = _name("autoparallel.cost_models", "h100_topo_config")
     return fn(num_nodes=num_hosts, gpus_per_node=gpus_per_host, **kwargs)
+
+
+_EDGES = "autoparallel.optimize_sharding"
+_COMMS = "autoparallel.cost_models.collective_runtime_estimation"
+
+
+@contextlib.contextmanager
+def edge_costs(cost: Callable[[Callable[[Any, Any], float], Any, Any], float]) -> Iterator[None]:
+    """While on, AutoParallel's solver prices the move on each edge (producer's output spec ->
+    consumer's input spec) as ``cost(theirs, src, tgt)``, ``theirs`` being its own estimate (the
+    solver calls ``optimize_sharding.estimate_strategy_comms_cost`` per edge while it builds its
+    decision variables, in ``AutoParallel.__enter__``). No-op without AutoParallel."""
+    if not installed():
+        yield
+        return
+    module = importlib.import_module(_EDGES)
+    theirs = _name(_EDGES, "estimate_strategy_comms_cost")
+    setattr(module, "estimate_strategy_comms_cost", lambda src, tgt: cost(theirs, src, tgt))
+    try:
+        yield
+    finally:
+        setattr(module, "estimate_strategy_comms_cost", theirs)
+
+
+def move_cost(src: Any, tgt: Any) -> float:
+    """AutoParallel's own price (us) of moving ``src`` to ``tgt``, mesh dim by mesh dim in order,
+    with the collective cost model it was given (``collective_runtime_estimation.redistribute_cost``)."""
+    return _name(_COMMS, "redistribute_cost")(src, tgt, list(range(src.mesh.ndim)))
 
 
 def solution_cost(optimizer: Any, placement: Any) -> dict[str, float]:

@@ -30,6 +30,7 @@ __all__ = [
     "op_dispatcher",
     "register_op_strategy",
     "trace_artifact",
+    "transform_infos",
     "tree_unflatten",
     "unset_fake_temporarily",
 ]
@@ -43,6 +44,12 @@ RuntimeSchemaInfo = private("torch.distributed.tensor._op_schema", "RuntimeSchem
 generate_redistribute_costs = private("torch.distributed.tensor._ops.utils", "generate_redistribute_costs")
 register_op_strategy = private("torch.distributed.tensor._ops.utils", "register_op_strategy")
 tree_unflatten = private("torch.utils._pytree", "tree_unflatten")
+try:  # DTensor's plan for a redistribution (shardings.transforms); without it, moves are priced per dim
+    transform_infos: Callable[[Any, Any], list] | None = private(
+        "torch.distributed.tensor._redistribute", "_gen_transform_infos"
+    )
+except PrivateAPIError:
+    transform_infos = None
 
 # torch's context_parallel() swaps DTensor's handler dict for a copy while it is on and, when it
 # turns off, restores the dict this module held at its import

@@ -38,6 +38,7 @@ from doc_packed.ops import cp_degree
 from ._ap_compat import installed, reset_compute_cost_cache, solver_flops_per_us
 from ._compat import current_mesh
 from .step_model import Layout, Rates, Topology, attention_us
+from .transforms import solver_edge_costs
 
 __all__ = ["Pricing", "pricing", "active_pricing", "call_us", "register"]
 
@@ -72,7 +73,9 @@ def pricing(
     file (default: ``shardings/h200_rates.json``), ``gpus_per_host`` the hosts' size,
     ``cu_seqlens`` a real ``[B, MAX_DOCS + 1]`` layout to count pairs and plan on (read here,
     on the host), ``backend`` the kernel whose rates apply. Clears AutoParallel's cost cache on
-    entry and exit (it keys on shapes, not on these)."""
+    entry and exit (it keys on shapes, not on these). While on, AutoParallel also prices the
+    moves DTensor runs in more steps than a per-dim view sees by those steps
+    (:func:`~shardings.transforms.solver_edge_costs`)."""
     if not isinstance(rates, Rates):
         rates = Rates.load(rates)
     if gpus_per_host < 1:
@@ -82,7 +85,8 @@ def pricing(
     _ACTIVE.append(p)
     reset_compute_cost_cache()
     try:
-        yield p
+        with solver_edge_costs():
+            yield p
     finally:
         _ACTIVE.remove(p)
         reset_compute_cost_cache()

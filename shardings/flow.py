@@ -39,6 +39,7 @@ from .autoparallel import (
 )
 from .compile import BACKENDS, CompileChoice, compile_placed
 from .costs import pricing
+from .transforms import solver_edge_costs
 from .step_model import Rates
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ def place(
         if gpus_per_host is not None:
             stack.enter_context(pricing(mesh, rates=rates, gpus_per_host=gpus_per_host, cu_seqlens=cu_seqlens))
             cost_model = cost_model_for(mesh, gpus_per_host)
+        else:  # (pricing() enters it too)
+            stack.enter_context(solver_edge_costs())
         with stage("trace"):
             autop = stack.enter_context(AutoParallel(model, input_fn, mesh, mp_policy=mp_policy, cost_model=cost_model))
         if inputs is not None:

@@ -37,6 +37,7 @@ import torch
 
 from doc_packed import flops as _flops
 from doc_packed import plan_context_parallel
+from . import transforms
 
 __all__ = [
     "DEFAULT_RATES",
@@ -387,8 +388,20 @@ def _specs(x) -> list:
 
 def redistribute_us(rates: Rates, topology: Topology, src, tgt) -> tuple[float, list[str]]:
     """Moving a tensor from placement ``src`` to ``tgt`` (DTensor specs of one mesh): per mesh
-    dim where they differ, the collective it takes, at the bytes it moves then."""
+    dim where they differ, the collective it takes, at the bytes it moves then; where DTensor's
+    plan for the move holds steps a per-dim view misses (an inner shard of the same tensor dim
+    undone first: :mod:`shardings.transforms`), each step of that plan."""
     mesh_shape = tuple(src.mesh.shape)
+    plan = _planned_steps(src, tgt)
+    if plan is not None:
+        total, kinds = 0.0, []
+        for step in plan:
+            moved = transforms.step_bytes(step, src.tensor_meta.dtype.itemsize, mesh_shape)
+            if moved is not None:
+                inter = topology.crosses_hosts(mesh_shape, step.mesh_dim)
+                total += collective_us(rates, moved[0], moved[1], mesh_shape[step.mesh_dim], inter_host=inter)
+                kinds.append(moved[0])
+        return total, kinds
     nbytes = float(_nbytes(src))
     total, kinds = 0.0, []
     for d, (a, b) in enumerate(zip(src.placements, tgt.placements)):
@@ -411,6 +424,17 @@ def redistribute_us(rates: Rates, topology: Topology, src, tgt) -> tuple[float, 
         if kind == "reduce_scatter":
             nbytes /= n
     return total, kinds
+
+
+def _planned_steps(src, tgt) -> list | None:
+    """DTensor's plan for the move where it differs from the per-dim view, else None."""
+    if src.placements == tgt.placements or src.tensor_meta is None:
+        return None
+    try:
+        plan = transforms.steps(src, tgt)
+    except Exception:  # noqa: BLE001 - a move torch cannot plan is priced per dim
+        return None
+    return plan if plan and transforms.undone(plan, src, tgt) else None
 
 
 def _input_nodes(node, placement) -> list:
