@@ -653,7 +653,8 @@ class _CausalPlanner(_Planner):
         q = k = m = 0
         rest = []
         for run in runs:
-            a, e, start = run[1], run[2], run[3].start
+            _, a, e, doc, _ = run
+            start = doc.start
             ks = a - left if left >= 0 else start
             if ks < start:
                 ks = start

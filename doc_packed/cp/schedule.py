@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._host import queue_to
+from .._host import queue_filled, queue_to
 from ..kernels import VarlenSpec
 from ..kernels.spec import OFFSETS_ALIGN
 from .plan import ContextParallelPlan, _frozen, chunk_len, owner_ranges
@@ -261,7 +261,8 @@ class _Indices:
         return slot
 
     def to(self, device: torch.device) -> None:
-        flat64 = queue_to(_expand(self.runs), device)  # (never waits for the device)
+        runs, n = self.runs, sum(self.parts[torch.int64])
+        flat64 = queue_filled(n, torch.int64, lambda out: _expand(runs, out), device)  # (never waits for the device)
         flat32 = queue_to(np.array(self.offsets, dtype=np.int32), device)
         self.views[torch.int64] = torch.split_with_sizes(flat64, self.parts[torch.int64])
         self.views[torch.int32] = torch.split_with_sizes(flat32, self.parts[torch.int32])
@@ -274,21 +275,22 @@ class _Indices:
 _RAMP = np.zeros(0, dtype=np.int64)  # 0, 1, 2, ...: every run's rows are a view of it (read-only)
 
 
-def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The rows of ``[start, end)`` runs, in order, as int64: views of one cached ramp, joined, so
-    each row is written once and nothing else is (an ``arange`` per run wrote every row twice,
-    some 16,000 rows a 4 x 32k schedule, up to 83,000: 43 -> 13 us at the median). The ramp grows
-    by doubling to the largest row asked for (a row index is below a buffer's rows)."""
+def _expand(runs: Sequence[tuple[int, int]], out: np.ndarray) -> None:
+    """The rows of ``[start, end)`` runs, in order, written into ``out`` (int64, as many): views
+    of one cached ramp, joined, so each row is written once and nothing else is (an ``arange``
+    per run wrote every row twice, some 16,000 rows a 4 x 32k schedule, up to 83,000: 43 -> 13 us
+    at the median). The ramp grows by doubling to the largest row asked for (a row index is below
+    a buffer's rows)."""
     global _RAMP
     if not runs:
-        return np.zeros(0, dtype=np.int64)
+        return
     ramp = _RAMP
     top = max(e for _, e in runs)
     if len(ramp) < top:
         ramp = np.arange(max(top, 2 * len(ramp)), dtype=np.int64)
         ramp.flags.writeable = False
         _RAMP = ramp
-    return np.concatenate([ramp[s:e] for s, e in runs])
+    np.concatenate([ramp[s:e] for s, e in runs], out=out)
 
 
 class _Pending(NamedTuple):
