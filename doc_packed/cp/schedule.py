@@ -25,7 +25,6 @@ covered by empty segments (queries with no keys give out 0 and lse -inf, which m
 
 from __future__ import annotations
 
-import functools
 import operator
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ import torch
 from .._host import queue_filled, queue_to
 from ..kernels import VarlenSpec
 from ..kernels.spec import OFFSETS_ALIGN
-from .plan import ContextParallelPlan, _frozen, chunk_len, owner_ranges
+from .plan import ContextParallelPlan, _frozen, _owners, chunk_len
 
 __all__ = ["Call", "RankSchedule", "build_schedule", "call_masks"]
 
@@ -128,12 +127,6 @@ class RankSchedule:
         backward) call: out, and home when queries moved (forward) / always (backward)."""
         out = int(self.kv_traffic or self.q_traffic)
         return out + int(self.q_traffic), 2 * out
-
-
-@functools.lru_cache(maxsize=64)
-def _owners(seq_len: int, cp_size: int) -> tuple[tuple[int, int], ...]:
-    """:func:`~.plan.owner_ranges` once per (seq_len, cp_size) (``plan.owners`` makes the list again)."""
-    return tuple(owner_ranges(seq_len, cp_size))
 
 
 def _parts(b: int, s: int, e: int, cs: int, seq_len: int) -> list[tuple[int, int, int]]:
@@ -479,12 +472,17 @@ def _runs(parts: list[tuple[int, int, int]], start: int, length: int) -> tuple[t
     sends one peer, in order, adjacent rows merged: sender and receiver both derive the
     exchange's runs from the same parts through this, so they agree one by one."""
     runs: list[tuple[int, int]] = []
+    r0 = r1 = -1  # the open run's rows [r0, r1) (rows are >= 0: none open yet)
     for b, s, e in parts:
-        r0 = b * length + s - start
-        if runs and sum(runs[-1]) == r0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + e - s)
+        row = b * length + s - start
+        if row == r1:
+            r1 += e - s
         else:
-            runs.append((r0, e - s))
+            if r0 >= 0:
+                runs.append((r0, r1 - r0))
+            r0, r1 = row, row + e - s
+    if r0 >= 0:
+        runs.append((r0, r1 - r0))
     return tuple(runs)
 
 
