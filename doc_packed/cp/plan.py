@@ -30,6 +30,7 @@ the group size and the mask, so every rank computes the same one.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import operator
@@ -84,6 +85,13 @@ def owner_ranges(seq_len: int, cp_size: int) -> list[tuple[int, int]]:
     return [owner_range(seq_len, cp_size, r) for r in range(cp_size)]
 
 
+@functools.lru_cache(maxsize=64)
+def _owners(seq_len: int, cp_size: int) -> tuple[tuple[int, int], ...]:
+    """:func:`owner_ranges` as a tuple, made once per (seq_len, cp_size): the planner and each
+    schedule read it (``plan.owners`` makes the list again)."""
+    return tuple(owner_ranges(seq_len, cp_size))
+
+
 class RowCost(NamedTuple):
     """What a rank's kernel calls cost beyond their (query, key) pairs, in pairs: per query row
     and per key row a call beyond the rank's own-shard call spans, and per row merged by lse."""
@@ -114,13 +122,16 @@ class Segment:
     prefix_end: int = 0
 
 
-def _segment(batch: int, start: int, end: int, key_start: int, key_end: int, prefix_end: int) -> Segment:
-    """``Segment(...)``, the same instance, at half the cost: a frozen dataclass's ``__init__`` sets
-    each field through ``object.__setattr__`` (1.06 us a segment against 0.59; some 85 segments a
-    4 x 32k plan, 4% of the rank's host time per layout)."""
-    seg = object.__new__(Segment)
-    seg.__dict__.update(batch=batch, start=start, end=end, key_start=key_start, key_end=key_end, prefix_end=prefix_end)
-    return seg
+def _frozen(cls, fields: dict):
+    """``cls(**fields)`` for a frozen dataclass, the same instance (``fields``: every field, in
+    field order, a dict of its own) without its ``__init__``, which sets each field through
+    ``object.__setattr__``: the instance's ``__dict__`` is ``fields``. On the 2-core box, kept
+    alive as plans and schedules keep them: a :class:`~.schedule.Call` 1.69 -> 1.10 us, a
+    :class:`~.schedule.RankSchedule` (21 fields, its dict built) 4.5 -> 1.5 us; a
+    :class:`Segment` 0.64 us, as the ``__dict__.update`` of keywords that made it before."""
+    obj = object.__new__(cls)
+    object.__setattr__(obj, "__dict__", fields)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -230,7 +241,7 @@ class _Planner:
         self.causal, self.left, self.right = causal, left, right
         self.query_cost, self.tolerance = query_cost, tolerance
         self.cs = chunk_len(seq_len, cp_size)
-        self.owned = owner_ranges(seq_len, cp_size)
+        self.owned = _owners(seq_len, cp_size)
         self.rows = layout_rows
         self.prefixes = prefixes
         # piece = [batch, start, end, doc, rank]; it never straddles a document or a shard
@@ -265,12 +276,14 @@ class _Planner:
 
     def fresh(self, offsets: list[int]) -> _Planner:
         """A planner in this one's state before :meth:`balance`, with ``offsets`` as the fixed
-        loads instead (the re-plans start from the same owner-first pieces: copied, not rebuilt)."""
+        loads instead (the re-plans start from the same owner-first pieces: copied, not rebuilt).
+        The lists are copied, not what they hold: :meth:`balance` replaces a piece it cuts or
+        moves and :meth:`_add_keys` a row's fetched intervals, neither changes one in place."""
         assert not self.balanced, "fresh() is for unbalanced planners"
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.by_rank = [[list(p) for p in own] for own in self.by_rank]
-        new.fetched = [{b: [list(iv) for iv in ivs] for b, ivs in f.items()} for f in self.fetched]
+        new.by_rank = [list(own) for own in self.by_rank]
+        new.fetched = [dict(f) for f in self.fetched]
         return new.last_fresh(offsets)
 
     def last_fresh(self, offsets: list[int]) -> _Planner:
@@ -413,16 +426,15 @@ class _Planner:
                 amount = max(1, int(min(excess, room, self._work(doc, a, e))))
                 ma, me = self._cut(doc, a, e, amount, tail)
                 moved = self._work(doc, ma, me)
+                # pieces are replaced, never changed: fresh() copies shared them with the planner
+                # they came from (list.index and remove find the piece itself: distinct pieces of
+                # a rank never compare equal)
+                own = self.by_rank[h]
                 if (ma, me) == (a, e):
-                    piece[4] = t
-                    self.by_rank[h].remove(piece)
-                    self.by_rank[t].append(piece)
+                    own.remove(piece)
                 else:
-                    if tail:
-                        piece[2] = ma
-                    else:
-                        piece[1] = me
-                    self.by_rank[t].append([b, ma, me, doc, t])
+                    own[own.index(piece)] = [b, a, ma, doc, h] if tail else [b, me, e, doc, h]
+                self.by_rank[t].append([b, ma, me, doc, t])
                 self.load[h] -= moved
                 self.load[t] += moved
                 self._add_keys(t, b, *self._key_range(doc, ma, me))
@@ -518,34 +530,31 @@ class _Planner:
                 a = pe
         return q, k, m
 
-    def _merged(self) -> list[list[list]]:
-        """Per rank, its runs sorted and merged where one continues the previous in a document: the
+    def _merged(self, r: int) -> list[list]:
+        """Rank ``r``'s runs sorted and merged where one continues the previous in a document: the
         pieces themselves where nothing merges (a balanced planner's pieces are only read), a new
         run where pieces merge."""
-        out = []
-        for r in range(self.c):
-            merged: list[list] = []
-            q = None  # the last run of merged
-            for p in sorted(self.by_rank[r], key=_ROW_START):
-                if p[2] <= p[1]:
-                    continue
-                if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
-                    q = merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
-                else:
-                    merged.append(p)
-                    q = p
-            out.append(merged)
-        return out
+        merged: list[list] = []
+        q = None  # the last run of merged
+        for p in sorted(self.by_rank[r], key=_ROW_START):
+            if p[2] <= p[1]:
+                continue
+            if q is not None and q[3] is p[3] and q[2] == p[1]:  # (a document is in one row)
+                q = merged[-1] = [q[0], q[1], p[2], q[3], q[4]]
+            else:
+                merged.append(p)
+                q = p
+        return merged
 
     def work(self) -> tuple[int, ...]:
         """Per rank, the pairs it computes (its load without the fixed offsets)."""
         return tuple(w - o for w, o in zip(self.load, self.offsets))
 
     def _runs_and_rows(self) -> tuple[list[list[list]], list[tuple[int, int, int]]]:
-        """:meth:`_merged` and each rank's :meth:`_extra_rows`, computed once for a balanced
-        planner (:meth:`priced_rows` and :meth:`result` both read them)."""
+        """Each rank's :meth:`_merged` runs and :meth:`_extra_rows`, computed once for a balanced
+        planner (:meth:`priced_rows`, :meth:`priced_below` and :meth:`result` read them)."""
         if self.rows_memo is None:
-            merged = self._merged()
+            merged = [self._merged(r) for r in range(self.c)]
             self.rows_memo = merged, [self._extra_rows(r, runs) for r, runs in enumerate(merged)]
         return self.rows_memo
 
@@ -553,46 +562,75 @@ class _Planner:
         """Per rank, its extra rows priced by ``cost``, without building the plan."""
         return [_price(rows, cost) for rows in self._runs_and_rows()[1]]
 
+    def priced_below(self, cost: RowCost, bound: float) -> int | None:
+        """The busiest rank's pairs plus its extra rows priced by ``cost`` when every rank's is
+        below ``bound``, else None (``max(work + priced_rows) < bound``, the same answer): the
+        ranks are priced heaviest load first and the rest skipped once one reaches ``bound``, as
+        a re-plan that does not beat the plan it is weighed against is dropped (most are)."""
+        work, load = self.work(), self.load
+        runs: list = [None] * self.c
+        rows: list = [None] * self.c
+        top = 0
+        for r in sorted(range(self.c), key=lambda r: -load[r]):
+            runs[r] = self._merged(r)
+            rows[r] = self._extra_rows(r, runs[r])
+            priced = work[r] + _price(rows[r], cost)
+            if priced >= bound:
+                return None
+            top = priced if priced > top else top
+        self.rows_memo = runs, rows
+        return top
+
     def result(self, window, row_cost: RowCost | None) -> ContextParallelPlan:
         all_merged, extra_rows = self._runs_and_rows()
-        key_range = self._key_range
+        key_range, new, set_dict = self._key_range, object.__new__, object.__setattr__
         segments, q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], [], []
         for r, merged in enumerate(all_merged):
             os_, oe = self.owned[r]
-            segs, queries, keys, moved = [], [], [], 0
+            segs, queries, ivs, moved = [], [], [], 0
+            # _union of the runs' key ranges as they come: sorted by (row, start) whenever the runs
+            # are, which every mask's key ranges are (a later query's keys never start earlier);
+            # cb, cs, ce: the open range; pb, pk: the last range's (row, start); else _union
+            cb, cs, ce, pb, pk = -1, 0, 0, -1, 0
+            ordered = True
             for b, a, e, doc, _ in merged:
                 ks, ke = key_range(doc, a, e)
-                segs.append(_segment(b, a, e, ks, ke, doc.start + doc.prefix if doc.prefix else 0))
+                pe = doc.start + doc.prefix if doc.prefix else 0
+                seg = new(Segment)  # _frozen(Segment, ...) inline: some 85 a 4 x 32k plan
+                set_dict(
+                    seg,
+                    "__dict__",
+                    {"batch": b, "start": a, "end": e, "key_start": ks, "key_end": ke, "prefix_end": pe},
+                )
+                segs.append(seg)
                 queries.append((b, a, e))
-                keys.append((b, ks, ke))
                 if a < os_ or e > oe:  # its queries outside the shard
                     moved += _outside(a, e, os_, oe)
+                if b < pb or (b == pb and ks < pk):
+                    ordered = False
+                pb, pk = b, ks
+                if b == cb and ks <= ce:
+                    if ke > ce:
+                        ce = ke
+                else:
+                    if cb >= 0:
+                        ivs.append((cb, cs, ce))
+                    cb, cs, ce = b, ks, ke
+            if cb >= 0:
+                ivs.append((cb, cs, ce))
+            if not ordered:
+                ivs = _union((b, *key_range(doc, a, e)) for b, a, e, doc, _ in merged)
             segments.append(tuple(segs))
             q_ranges.append(tuple(queries))
             q_moved.append(moved)
-            ivs = _union(keys)
             kv_ranges.append(tuple(ivs))
             kv_recv.append(sum(_outside(s, e, os_, oe) for _, s, e in ivs if s < os_ or e > oe))
-        work = self.work()
-        return ContextParallelPlan(
-            cp_size=self.c,
-            seq_len=self.S,
-            batch=len(self.rows),
-            causal=self.causal,
-            window_size=window,
-            q_ranges=tuple(q_ranges),
-            work=work,
-            kv_recv_tokens=tuple(kv_recv),
-            q_moved_tokens=tuple(q_moved),
-            segments=tuple(segments),
-            kv_ranges=tuple(kv_ranges),
-            extra_rows=tuple(extra_rows),
-            query_cost=self.query_cost,
-            tolerance=self.tolerance,
-            row_cost=row_cost,
-            documents=self.rows,
-            prefixes=self.prefixes,
-        )
+        fields = dict(cp_size=self.c, seq_len=self.S, batch=len(self.rows), causal=self.causal, window_size=window)
+        fields.update(q_ranges=tuple(q_ranges), work=self.work(), kv_recv_tokens=tuple(kv_recv))
+        fields.update(q_moved_tokens=tuple(q_moved), segments=tuple(segments), kv_ranges=tuple(kv_ranges))
+        fields.update(extra_rows=tuple(extra_rows), query_cost=self.query_cost, tolerance=self.tolerance)
+        fields.update(row_cost=row_cost, documents=self.rows, prefixes=self.prefixes)
+        return _frozen(ContextParallelPlan, fields)
 
 
 def _causal_pairs(n: int) -> int:
@@ -625,7 +663,8 @@ class _CausalPlanner(_Planner):
         q = k = m = 0
         rest = []
         for run in runs:
-            a, e, start = run[1], run[2], run[3].start
+            _, a, e, doc, _ = run
+            start = doc.start
             ks = a - left if left >= 0 else start
             if ks < start:
                 ks = start
@@ -802,8 +841,8 @@ def build_plan(
     if max(extra) - min(extra) > _ROW_MARGIN * first_max:
         for i, step in enumerate(_ROW_STEPS):
             candidate = planner([int(step * (e - min(extra))) for e in extra], last=i == len(_ROW_STEPS) - 1)
-            priced = max(w + x for w, x in zip(candidate.work(), candidate.priced_rows(row_cost)))
-            if priced < best_max:
+            priced = candidate.priced_below(row_cost, best_max)
+            if priced is not None:
                 best, best_max = candidate, priced
     return best.result((left, right), row_cost)
 

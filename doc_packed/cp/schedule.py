@@ -29,15 +29,16 @@ import operator
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .._host import queue_to
+from .._host import queue_filled, queue_to
 from ..kernels import VarlenSpec
 from ..kernels.spec import OFFSETS_ALIGN
-from .plan import ContextParallelPlan, chunk_len
+from .plan import ContextParallelPlan, _frozen, _owners, chunk_len
 
 __all__ = ["Call", "RankSchedule", "build_schedule", "call_masks"]
 
@@ -56,7 +57,8 @@ class _Piece(NamedTuple):
     full: bool = False  # every query sees every key (a bidirectional prefix's block)
 
 
-_CALL_ORDER = operator.attrgetter("q_buf", "k_buf", "q0", "k0")  # how _calls walks the pieces
+_CALL_ORDER = operator.itemgetter(0, 4, 1, 5)  # how _calls walks the pieces: (q_buf, k_buf, q0, k0)
+_new_piece = tuple.__new__  # _new_piece(_Piece, fields): a _Piece without its Python-level __new__
 
 
 @dataclass(frozen=True)
@@ -162,11 +164,12 @@ def _visible(qs: int, qe: int, ks: int, ke: int, lo: int | None, hi: int | None)
 
 def _kernel_mask(p: _Piece, causal: bool, left: int, right: int) -> tuple[bool, int, int]:
     """(causal, left, right) for a piece in the kernels' bottom-right-aligned convention."""
-    if p.full:
+    _, _, nq, q_pos, _, _, nk, k_pos, full = p  # (one unpacking, not a property per field)
+    if full:
         return False, -1, -1
-    shift = (p.q_pos + p.nq) - (p.k_pos + p.nk)  # key j <= query i + shift (causal) in index terms
+    shift = (q_pos + nq) - (k_pos + nk)  # key j <= query i + shift (causal) in index terms
     if causal:
-        if p.k_pos + p.nk - 1 <= p.q_pos and (left < 0 or p.k_pos >= p.q_pos + p.nq - 1 - left):
+        if k_pos + nk - 1 <= q_pos and (left < 0 or k_pos >= q_pos + nq - 1 - left):
             return False, -1, -1  # every query sees every key
         if shift == 0:
             return True, left, 0
@@ -208,62 +211,79 @@ class _Indices:
     """Every index a schedule reads on the device, gathered on the host without torch ops (plain
     ints and NumPy, whose work does not depend on torch's intra-op thread pool) and moved in one
     copy per dtype: int64 rows (kept as runs, expanded once), int32 segment offsets. ``add_*``
-    return a slot; after :meth:`to`, :meth:`get` gives the slot's view of the device copy."""
+    return a slot; after :meth:`to`, :meth:`get` gives the slot's view of the device copy.
+
+    Slots of the same int64 runs are one slot (a stage A call's query and key rows are often the
+    same, and each is up to a buffer's rows): the rows are expanded, copied and held once, and
+    every index on the device is read only. The views are made by one split per dtype."""
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, int]] = []  # every int64 slot's [start, end) runs, in order
         self.offsets: list[int] = []  # every int32 slot's values, in order
-        self.size = {torch.int64: 0, torch.int32: 0}
-        self.slots: list[tuple[torch.dtype, int, int]] = []
-        self.flat: dict[torch.dtype, torch.Tensor] = {}
-
-    def _slot(self, dtype: torch.dtype, n: int) -> int:
-        self.slots.append((dtype, self.size[dtype], n))
-        self.size[dtype] += n
-        return len(self.slots) - 1
+        self.int32_at = 0  # len(self.offsets)
+        # per dtype, the lengths its copy splits into, in order: every slot's, and the int32 gaps
+        self.parts: dict[torch.dtype, list[int]] = {torch.int64: [], torch.int32: []}
+        self.slots: list[tuple[torch.dtype, int]] = []  # (dtype, its part)
+        self.same: dict[tuple[tuple[int, int], ...], int] = {}  # int64 runs -> their slot
+        self.views: dict[torch.dtype, Sequence[torch.Tensor]] = {}
 
     def add_offsets(self, values: Sequence[int]) -> int:
         """A slot holding ``values`` as int32, starting on a 16-byte boundary (FA4 copies
         offsets that do not: :data:`~doc_packed.kernels.spec.OFFSETS_ALIGN`)."""
-        gap = -self.size[torch.int32] % OFFSETS_ALIGN
+        parts = self.parts[torch.int32]
+        gap = -self.int32_at % OFFSETS_ALIGN
         if gap:
             self.offsets.extend([0] * gap)
-            self.size[torch.int32] += gap
+            parts.append(gap)
         self.offsets.extend(values)
-        return self._slot(torch.int32, len(values))
+        self.int32_at += gap + len(values)
+        parts.append(len(values))
+        self.slots.append((torch.int32, len(parts) - 1))
+        return len(self.slots) - 1
 
     def add_runs(self, runs: Sequence[tuple[int, int]]) -> int:
         """A slot holding the int64 rows of the ``[start, end)`` ``runs``, in order."""
-        self.runs.extend(runs)
-        return self._slot(torch.int64, sum(e - s for s, e in runs))
+        key = tuple(runs)
+        slot = self.same.get(key)
+        if slot is None:
+            self.runs.extend(runs)
+            parts = self.parts[torch.int64]
+            parts.append(sum(e - s for s, e in runs))
+            self.slots.append((torch.int64, len(parts) - 1))
+            slot = self.same[key] = len(self.slots) - 1
+        return slot
 
     def to(self, device: torch.device) -> None:
-        self.flat[torch.int64] = queue_to(_expand(self.runs), device)  # (never waits for the device)
-        self.flat[torch.int32] = queue_to(np.array(self.offsets, dtype=np.int32), device)
+        runs, n = self.runs, sum(self.parts[torch.int64])
+        flat64 = queue_filled(n, torch.int64, lambda out: _expand(runs, out), device)  # (never waits for the device)
+        flat32 = queue_to(np.array(self.offsets, dtype=np.int32), device)
+        self.views[torch.int64] = torch.split_with_sizes(flat64, self.parts[torch.int64])
+        self.views[torch.int32] = torch.split_with_sizes(flat32, self.parts[torch.int32])
 
     def get(self, slot: int) -> torch.Tensor:
-        dtype, start, n = self.slots[slot]
-        return self.flat[dtype][start : start + n]
+        dtype, part = self.slots[slot]
+        return self.views[dtype][part]
 
 
 _RAMP = np.zeros(0, dtype=np.int64)  # 0, 1, 2, ...: every run's rows are a view of it (read-only)
 
 
-def _expand(runs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The rows of ``[start, end)`` runs, in order, as int64: views of one cached ramp, joined, so
-    each row is written once and nothing else is (an ``arange`` per run wrote every row twice,
-    some 16,000 rows a 4 x 32k schedule, up to 83,000: 43 -> 13 us at the median). The ramp grows
-    by doubling to the largest row asked for (a row index is below a buffer's rows)."""
+def _expand(runs: Sequence[tuple[int, int]], out: np.ndarray) -> None:
+    """The rows of ``[start, end)`` runs, in order, written into ``out`` (int64, as many): views
+    of one cached ramp, joined, so each row is written once and nothing else is (an ``arange``
+    per run wrote every row twice, some 16,000 rows a 4 x 32k schedule, up to 83,000: 43 -> 13 us
+    at the median). The ramp grows by doubling to the largest row asked for (a row index is below
+    a buffer's rows)."""
     global _RAMP
     if not runs:
-        return np.zeros(0, dtype=np.int64)
+        return
     ramp = _RAMP
     top = max(e for _, e in runs)
     if len(ramp) < top:
         ramp = np.arange(max(top, 2 * len(ramp)), dtype=np.int64)
         ramp.flags.writeable = False
         _RAMP = ramp
-    return np.concatenate([ramp[s:e] for s, e in runs])
+    np.concatenate([ramp[s:e] for s, e in runs], out=out)
 
 
 class _Pending(NamedTuple):
@@ -285,7 +305,10 @@ class _Pending(NamedTuple):
         spec.cached(("cu", device), lambda: (index.get(self.cu[0]), index.get(self.cu[1])))
         rows = None if self.rows is None else index.get(self.rows)
         k_rows = None if self.k_rows is None else index.get(self.k_rows)
-        return Call(q_buf, k_buf, q0, q1, k0, k1, spec, rows, self.n_rows, k_rows, self.merge)
+        # Call(...), the same instance, without the frozen __init__'s object.__setattr__ per field
+        fields = {"q_buf": q_buf, "k_buf": k_buf, "q0": q0, "q1": q1, "k0": k0, "k1": k1, "spec": spec}
+        fields.update(rows=rows, n_rows=self.n_rows, k_rows=k_rows, merge=self.merge)
+        return _frozen(Call, fields)
 
 
 def call_masks(causal: bool, left: int, right: int) -> tuple[tuple[bool, int, int], ...]:
@@ -324,15 +347,17 @@ def _calls(
     records the rows earlier calls computed and is updated here: it sets each call's ``merge``.
     Host ints only; the device rows and offsets go into ``index``."""
     groups: dict[tuple, list[list[_Piece]]] = {}
+    # pieces read by index below (q_buf 0, q0 1, nq 2, k_buf 4, k0 5, nk 6): a _Piece's fields
+    # are properties, some ten reads a piece
     for p in sorted(pieces, key=_CALL_ORDER):
-        key = (p.q_buf, p.k_buf, _kernel_mask(p, causal, left, right))
+        key = (p[0], p[4], _kernel_mask(p, causal, left, right))
         calls = groups.get(key)
         if calls is None:
             groups[key] = [[p]]
             continue
         for call in calls:
             last = call[-1]
-            if last.q0 + last.nq <= p.q0 and last.k0 + last.nk <= p.k0:
+            if last[1] + last[2] <= p[1] and last[5] + last[6] <= p[5]:
                 call.append(p)
                 break
         else:
@@ -340,48 +365,66 @@ def _calls(
     made = []
     for (q_buf, k_buf, (c, wl, wr)), calls in groups.items():
         for members in calls:
-            q0, k0 = members[0].q0, members[0].k0
-            q1, k1 = members[-1].q0 + members[-1].nq, members[-1].k0 + members[-1].nk
+            first, last = members[0], members[-1]
+            q0, k0 = first[1], first[5]
+            q1, k1 = last[1] + last[2], last[5] + last[6]
             if span is not None:
                 q0, k0, q1, k1 = 0, 0, span, span
             cu_q, cu_k = [0], [0]
+            cq = ck = 0  # cu_q[-1], cu_k[-1]
             # the rows of the slices the members compute and read, adjacent runs joined: the
             # members run forward in both buffers without overlap, so these are sorted and disjoint
+            # (the open run of each kept in locals, [qa, qz) and [ka, kz); none open yet: -1)
             q_runs: list[tuple[int, int]] = []
             k_runs: list[tuple[int, int]] = []
-            for p in members:
-                qs, ks = p.q0 - q0, p.k0 - k0
+            qa = qz = ka = kz = -1
+            n_rows = n_keys = 0  # rows of the runs: each member adds its own to one run
+            for _, pq, nq, _, _, pk, nk, _, _ in members:
+                qs, ks = pq - q0, pk - k0
                 # empty segments cover the gaps: queries without keys, then keys without queries
-                if qs > cu_q[-1]:
+                if qs > cq:
                     cu_q.append(qs)
-                    cu_k.append(cu_k[-1])
-                if ks > cu_k[-1]:
-                    cu_q.append(cu_q[-1])
+                    cu_k.append(ck)
+                    cq = qs
+                if ks > ck:
+                    cu_q.append(cq)
                     cu_k.append(ks)
-                cu_q.append(cu_q[-1] + p.nq)
-                cu_k.append(cu_k[-1] + p.nk)
-                if q_runs and q_runs[-1][1] == qs:
-                    q_runs[-1] = (q_runs[-1][0], qs + p.nq)
-                else:
-                    q_runs.append((qs, qs + p.nq))
-                if k_runs and k_runs[-1][1] == ks:
-                    k_runs[-1] = (k_runs[-1][0], ks + p.nk)
-                else:
-                    k_runs.append((ks, ks + p.nk))
-            if cu_q[-1] < q1 - q0:  # trailing rows: queries without keys, keys without queries
+                    ck = ks
+                cq += nq
+                ck += nk
+                cu_q.append(cq)
+                cu_k.append(ck)
+                if qz != qs:
+                    if qz >= 0:
+                        q_runs.append((qa, qz))
+                    qa = qs
+                qz = qs + nq
+                if kz != ks:
+                    if kz >= 0:
+                        k_runs.append((ka, kz))
+                    ka = ks
+                kz = ks + nk
+                n_rows += nq
+                n_keys += nk
+            q_runs.append((qa, qz))
+            k_runs.append((ka, kz))
+            if cq < q1 - q0:  # trailing rows: queries without keys, keys without queries
                 cu_q.append(q1 - q0)
-                cu_k.append(cu_k[-1])
-            if cu_k[-1] < k1 - k0:
-                cu_q.append(cu_q[-1])
+                cu_k.append(ck)
+                cq = q1 - q0
+            if ck < k1 - k0:
+                cu_q.append(cq)
                 cu_k.append(k1 - k0)
-            made.append((q_buf, k_buf, q0, q1, k0, k1, VarlenSpec(cu_q, cu_k, c, wl, wr), cu_q, cu_k, q_runs, k_runs))
+            spec = VarlenSpec(cu_q, cu_k, c, wl, wr)
+            made.append((q_buf, k_buf, q0, q1, k0, k1, spec, cu_q, cu_k, q_runs, k_runs, n_rows, n_keys))
     out = []
-    for q_buf, k_buf, q0, q1, k0, k1, spec, cu_q, cu_k, q_runs, k_runs in sorted(made, key=lambda m: m[2] - m[3]):
+    for q_buf, k_buf, q0, q1, k0, k1, spec, cu_q, cu_k, q_runs, k_runs, n_rows, n_keys in sorted(
+        made, key=lambda m: m[2] - m[3]
+    ):
         absolute = [(s + q0, e + q0) for s, e in q_runs]
-        merge = written[q_buf].overlaps(absolute)
-        written[q_buf].add(absolute)
-        n_rows = sum(e - s for s, e in q_runs)
-        n_keys = sum(e - s for s, e in k_runs)
+        buf = written[q_buf]
+        merge = buf.overlaps(absolute)
+        buf.add(absolute)
         cu = (index.add_offsets(cu_q), index.add_offsets(cu_k))
         rows = None if n_rows == q1 - q0 else index.add_runs(q_runs)
         k_rows = None if n_keys == k1 - k0 else index.add_runs(k_runs)
@@ -429,12 +472,17 @@ def _runs(parts: list[tuple[int, int, int]], start: int, length: int) -> tuple[t
     sends one peer, in order, adjacent rows merged: sender and receiver both derive the
     exchange's runs from the same parts through this, so they agree one by one."""
     runs: list[tuple[int, int]] = []
+    r0 = r1 = -1  # the open run's rows [r0, r1) (rows are >= 0: none open yet)
     for b, s, e in parts:
-        r0 = b * length + s - start
-        if runs and sum(runs[-1]) == r0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + e - s)
+        row = b * length + s - start
+        if row == r1:
+            r1 += e - s
         else:
-            runs.append((r0, e - s))
+            if r0 >= 0:
+                runs.append((r0, r1 - r0))
+            r0, r1 = row, row + e - s
+    if r0 >= 0:
+        runs.append((r0, r1 - r0))
     return tuple(runs)
 
 
@@ -445,7 +493,7 @@ def _owned_by(ranges, rank: int, cs: int, S: int) -> list[tuple[int, int, int]]:
     """The parts of ``(row, start, end)`` ranges that ``rank``'s shard holds (each range's
     intersection with the shard: what :func:`_parts` gives for this owner, without splitting)."""
     lo, hi = rank * cs, min((rank + 1) * cs, S)
-    return [(b, max(s, lo), min(e, hi)) for b, s, e in ranges if s < hi and e > lo]
+    return [(b, s if s > lo else lo, e if e < hi else hi) for b, s, e in ranges if s < hi and e > lo]
 
 
 def _by_owner(ranges, rank: int, c: int, cs: int, S: int) -> tuple[_Parts, list[int]]:
@@ -534,7 +582,7 @@ def _pieces(
                 n = min(qe, pe) - qs
                 for kb, kr, ks, ke in k_runs:
                     if ks < pe:
-                        pieces.append(_Piece(qb, qr, n, qs, kb, kr, min(ke, pe) - ks, ks, True))
+                        pieces.append(_new_piece(_Piece, (qb, qr, n, qs, kb, kr, min(ke, pe) - ks, ks, True)))
                 qr, qs = qr + n, qs + n
                 if qs >= qe:
                     continue
@@ -542,7 +590,7 @@ def _pieces(
                 vis = _visible(qs, qe, ks, ke, lo, hi)
                 if vis is not None:
                     qa, qz, a, z = vis
-                    pieces.append(_Piece(qb, qr + qa - qs, qz - qa, qa, kb, kr + a - ks, z - a, a))
+                    pieces.append(_new_piece(_Piece, (qb, qr + qa - qs, qz - qa, qa, kb, kr + a - ks, z - a, a, False)))
     return pieces
 
 
@@ -550,7 +598,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     """Rank ``rank``'s schedule of ``plan``, its device indices queued to ``device``."""
     c, S = plan.cp_size, plan.seq_len
     cs = chunk_len(S, c)
-    owners = plan.owners
+    owners = _owners(S, c)
     my_start, my_end = owners[rank]
     L = my_end - my_start
     left, right = plan.window_size
@@ -582,7 +630,7 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     stage_a: list[_Piece] = []
     stage_b: list[_Piece] = []
     for p in pieces:
-        (stage_a if p.q_buf == LOCAL and p.k_buf == LOCAL else stage_b).append(p)
+        (stage_a if p[0] == LOCAL and p[4] == LOCAL else stage_b).append(p)  # (q_buf, k_buf)
     index = _Indices()
     written = {LOCAL: _Written(), RECV: _Written()}  # rows of each query buffer computed so far
     pending_a = _calls(stage_a, causal, left, right, index, written, span=plan.batch * L)
@@ -594,29 +642,32 @@ def build_schedule(plan: ContextParallelPlan, rank: int, device: torch.device) -
     flat = [run for runs in kv_send_runs for run in runs]  # the order they come home in
     land, back_rows, gaps, back_sums, shared = _home_grid(flat)
     lands = iter(zip(land, (n for _, n in flat)))
-    kv_back_recv = tuple(tuple(next(lands) for _ in runs) for runs in kv_send_runs)
+    kv_back_recv = tuple(tuple(islice(lands, len(runs))) for runs in kv_send_runs)
     back_gaps = index.add_runs([(a, e) for a, e in gaps if e > a])
     index.to(device)  # the schedule's one host-to-device copy per dtype, queued
 
-    return RankSchedule(
-        rank=rank,
-        local_rows=plan.batch * L,
-        kv_recv_splits=kv_recv_splits,
-        kv_back_sums=back_sums,
-        kv_back_recv=kv_back_recv,
-        kv_back_rows=back_rows,
-        kv_back_gaps=index.get(back_gaps),
-        kv_shared=shared,
-        q_send_index=index.get(q_send),
-        q_send_splits=q_send_splits,
-        q_recv_splits=q_recv_splits,
-        kv_send_runs=kv_send_runs,
-        kv_recv_runs=_landing(recv_parts, owners),
-        q_send_runs=q_send_runs,
-        q_recv_runs=_landing(q_recv_parts, owners),
-        stage_a=tuple(p.on_device(index, device) for p in pending_a),
-        stage_b=tuple(p.on_device(index, device) for p in pending_b),
-        kv_traffic=sum(plan.kv_recv_tokens) > 0,
-        q_traffic=sum(plan.q_moved_tokens) > 0,
-        plan_tag=hash((plan.q_ranges, plan.kv_ranges)),
+    return _frozen(
+        RankSchedule,
+        dict(
+            rank=rank,
+            local_rows=plan.batch * L,
+            kv_recv_splits=kv_recv_splits,
+            kv_back_sums=back_sums,
+            kv_back_recv=kv_back_recv,
+            kv_back_rows=back_rows,
+            kv_back_gaps=index.get(back_gaps),
+            kv_shared=shared,
+            q_send_index=index.get(q_send),
+            q_send_splits=q_send_splits,
+            q_recv_splits=q_recv_splits,
+            kv_send_runs=kv_send_runs,
+            kv_recv_runs=_landing(recv_parts, owners),
+            q_send_runs=q_send_runs,
+            q_recv_runs=_landing(q_recv_parts, owners),
+            stage_a=tuple(p.on_device(index, device) for p in pending_a),
+            stage_b=tuple(p.on_device(index, device) for p in pending_b),
+            kv_traffic=sum(plan.kv_recv_tokens) > 0,
+            q_traffic=sum(plan.q_moved_tokens) > 0,
+            plan_tag=hash((plan.q_ranges, plan.kv_ranges)),
+        ),
     )
