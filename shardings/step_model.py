@@ -392,7 +392,7 @@ def redistribute_us(rates: Rates, topology: Topology, src, tgt) -> tuple[float, 
     plan for the move holds steps a per-dim view misses (an inner shard of the same tensor dim
     undone first: :mod:`shardings.transforms`), each step of that plan."""
     mesh_shape = tuple(src.mesh.shape)
-    plan = _planned_steps(src, tgt)
+    plan = transforms.undone_plan(src, tgt)
     if plan is not None:
         total, kinds = 0.0, []
         for step in plan:
@@ -424,17 +424,6 @@ def redistribute_us(rates: Rates, topology: Topology, src, tgt) -> tuple[float, 
         if kind == "reduce_scatter":
             nbytes /= n
     return total, kinds
-
-
-def _planned_steps(src, tgt) -> list | None:
-    """DTensor's plan for the move where it differs from the per-dim view, else None."""
-    if src.placements == tgt.placements or src.tensor_meta is None:
-        return None
-    try:
-        plan = transforms.steps(src, tgt)
-    except Exception:  # noqa: BLE001 - a move torch cannot plan is priced per dim
-        return None
-    return plan if plan and transforms.undone(plan, src, tgt) else None
 
 
 def _input_nodes(node, placement) -> list:

@@ -6,10 +6,11 @@ inner (``tp``) split of it is undone first (an all-gather on ``tp``), the all-to
 then moves twice the bytes, and ``tp`` splits again. AutoParallel's edge costs and the step model
 priced such moves per dim, so a layout that keeps activations sequence-sharded on both dims and
 gives attention heads on the outer one looked as cheap as the forced (sequence, heads) layout and
-ran 22% slower (docs/end_to_end.md, session 24).
+ran 14-22% slower on 4 x H200 (docs/end_to_end.md, session 24).
 
-:func:`steps` is DTensor's own plan for a move (torch's ``_gen_transform_infos``), and
-:func:`undone` says whether it holds steps a per-dim view misses. :func:`step_bytes` gives each
+:func:`steps` is DTensor's own plan for a move (torch's ``_gen_transform_infos``), :func:`undone`
+says whether it holds steps a per-dim view misses, and :func:`undone_plan` is the plan where it
+does. :func:`step_bytes` gives each
 step's collective and the bytes the step model prices it at; :func:`solver_edge_costs` makes
 AutoParallel price such moves step by step with its own collective costs (other moves keep
 AutoParallel's price).
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 from ._ap_compat import edge_costs, move_cost
 from ._compat import DTensorSpec, TensorMeta, transform_infos
 
-__all__ = ["Step", "solver_edge_costs", "step_bytes", "steps", "undone"]
+__all__ = ["Step", "solver_edge_costs", "step_bytes", "steps", "undone", "undone_plan"]
 
 
 class Step(NamedTuple):
@@ -54,6 +55,19 @@ def undone(plan: list[Step], src: Any, dst: Any) -> bool:
     move keeps (undone, then redone), or more than one step on a dim."""
     dims = [s.mesh_dim for s in plan]
     return len(dims) != len(set(dims)) or any(src.placements[d] == dst.placements[d] for d in dims)
+
+
+def undone_plan(src: Any, dst: Any) -> list[Step] | None:
+    """DTensor's plan for moving ``src`` to ``dst`` where it holds steps a per-dim view misses;
+    None where it does not, where the move changes nothing, or where torch cannot plan it (the
+    per-dim price then stands)."""
+    if src.placements == dst.placements or src.tensor_meta is None:
+        return None
+    try:
+        plan = steps(src, dst)
+    except Exception:  # noqa: BLE001 - a move torch cannot plan keeps its per-dim price
+        return None
+    return plan if plan and undone(plan, src, dst) else None
 
 
 def step_bytes(step: Step, itemsize: int, mesh_shape: tuple[int, ...]) -> tuple[str, float] | None:
@@ -102,12 +116,7 @@ def solver_edge_costs() -> contextlib.AbstractContextManager[None]:
 
 def _edge_cost(theirs: Callable[[Any, Any], float], src: Any, tgt: Any) -> float:
     base = theirs(src, tgt)
-    if src.placements == tgt.placements or src.tensor_meta is None:
-        return base
-    try:
-        plan = steps(src, tgt)
-    except Exception:  # noqa: BLE001 - a move torch cannot plan keeps AutoParallel's price
-        return base
-    if not plan or not undone(plan, src, tgt):
+    plan = undone_plan(src, tgt)
+    if plan is None:
         return base
     return max(base, sum(move_cost(*_one_dim_specs(src, step)) for step in plan))
