@@ -587,11 +587,11 @@ class _Planner:
         segments, q_ranges, kv_ranges, kv_recv, q_moved = [], [], [], [], []
         for r, merged in enumerate(all_merged):
             os_, oe = self.owned[r]
-            segs, queries, ivs, moved = [], [], [], 0
-            # _union of the runs' key ranges as they come: sorted by (row, start) whenever the runs
-            # are, which every mask's key ranges are (a later query's keys never start earlier);
-            # cb, cs, ce: the open range; pb, pk: the last range's (row, start); else _union
-            cb, cs, ce, pb, pk = -1, 0, 0, -1, 0
+            segs, queries, moved = [], [], 0
+            # the runs' key ranges come sorted by (row, start) whenever the runs are, which every
+            # mask's key ranges are (a later query's keys never start earlier): merged without a
+            # sort then; pb, pk: the last range's (row, start)
+            keys, pb, pk = [], -1, 0
             ordered = True
             for b, a, e, doc, _ in merged:
                 ks, ke = key_range(doc, a, e)
@@ -609,17 +609,8 @@ class _Planner:
                 if b < pb or (b == pb and ks < pk):
                     ordered = False
                 pb, pk = b, ks
-                if b == cb and ks <= ce:
-                    if ke > ce:
-                        ce = ke
-                else:
-                    if cb >= 0:
-                        ivs.append((cb, cs, ce))
-                    cb, cs, ce = b, ks, ke
-            if cb >= 0:
-                ivs.append((cb, cs, ce))
-            if not ordered:
-                ivs = _union((b, *key_range(doc, a, e)) for b, a, e, doc, _ in merged)
+                keys.append((b, ks, ke))
+            ivs = _merge_sorted(keys) if ordered else _union(keys)
             segments.append(tuple(segs))
             q_ranges.append(tuple(queries))
             q_moved.append(moved)
@@ -782,11 +773,16 @@ def _price(rows: tuple[int, int, int], cost: RowCost) -> int:
 
 
 def _union(ranges) -> list[tuple[int, int, int]]:
-    """The ``(batch, start, end)`` ranges merged where they overlap or touch, sorted (the open
-    range kept in locals, a tuple made once per merged range)."""
+    """The ``(batch, start, end)`` ranges merged where they overlap or touch, sorted."""
+    return _merge_sorted(sorted(ranges))
+
+
+def _merge_sorted(ranges) -> list[tuple[int, int, int]]:
+    """:func:`_union` of ranges already sorted by ``(batch, start)`` (the open range kept in
+    locals, a tuple made once per merged range)."""
     out: list[tuple[int, int, int]] = []
     cb, cs, ce = -1, 0, 0
-    for b, s, e in sorted(ranges):
+    for b, s, e in ranges:
         if b == cb and s <= ce:
             if e > ce:
                 ce = e
