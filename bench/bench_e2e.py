@@ -244,6 +244,7 @@ def _anchor_one(spec, attn, batches, S, device, dtype, settings, steps, warmup) 
 
         for i in range(warmup):
             step(i)
+        _startup_gc()
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -294,6 +295,7 @@ def run_mode(
     profile_dir=None,
     stall_dump=0.0,
     trace_steps=(),
+    call_stats=False,
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -449,12 +451,12 @@ def run_mode(
         pauses: list[tuple[float, int]] = []
         compiled: list[int] = []  # FA4 kernels compiled during each step (0 after the warm-up)
         stalls: list[dict] = []  # allocator calls, page faults, context switches during each step
+        _startup_gc()
         if gc_mode == "freeze":  # what a trainer can do once the model is placed: long-lived objects out of gc's walk
-            gc.collect()
             gc.freeze()
         phases.clear()
         t0 = time.perf_counter()
-        with _GcPauses() as seen:
+        with _GcPauses() as seen, _CallStats(device, call_stats) as per_call:
             for i in range(warmup, warmup + steps):
                 marks.append(_mark(device))
                 h0, k0, m0 = time.perf_counter(), dp.cp.runtime_counts()["kernels_compiled"], _stall_counts(device)
@@ -479,7 +481,7 @@ def run_mode(
         counts = {k: after[k] - before[k] for k in after}
         fa4_after = fa4_launch.counts()
         fa4_calls = {k: n - fa4_before.get(k, 0) for k, n in fa4_after.items() if n > fa4_before.get(k, 0)}
-        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, stalls, fa4_calls))
+        dist.all_gather_object(every, (host, pauses, compiled, list(phases), counts, stalls, fa4_calls, per_call.summary()))
         host_max = [max(r[0][k] for r in every) for k in range(steps)]
         gc_max = [max(r[1][k][0] for r in every) for k in range(steps)]
         gc_gen = [max(r[1][k][1] for r in every) for k in range(steps)]
@@ -516,6 +518,8 @@ def run_mode(
             # per rank: what its FA4 calls in the timed steps did (replayed, recorded, not
             # replayable and why: kernels.fa4_launch.counts)
             fa4_calls=[r[6] for r in every],
+            # per rank (--call-stats): each pass's first and later calls, medians (_CallStats)
+            call_stats=[r[7] for r in every] if call_stats else None,
         )
     if profile_dir and not stall_dump:  # after the timed steps: their figures stay unprofiled
         torch.set_num_threads(thread_settings[0][0])
@@ -729,6 +733,81 @@ def _cp_calls(gm, cfg) -> list[tuple[str, tuple[int, int], bool, tuple[int, int]
     return out
 
 
+def _startup_gc() -> None:
+    """One full garbage collection before the timed steps of every mode (and of the anchor), as a
+    trainer's start-up does once (torchtitan: its initial collection). Python (3.12) runs a full
+    collection when the objects that survived into its oldest generation since the last one exceed
+    a quarter of those it kept then; placing and compiling leave that count near the bound, so
+    without this one early timed step pays a full walk of AutoParallel's, Inductor's and FA4's
+    objects (672 ms on a 2 x H200 rank, session 25), once: a cost a long run spreads over thousands
+    of steps. A full collection inside the timed steps still shows in the printed pauses."""
+    gc.collect()
+
+
+class _CallStats:
+    """Each context-parallel forward and backward call of the timed steps timed on its own
+    (``--call-stats``): the pass, whether it was the pass's first call on its layout (the
+    runtime's own split, :func:`doc_packed.cp.runtime_counts`), host wall and thread CPU
+    microseconds, the agreement's wait, voluntary context switches (the thread blocked: a full
+    launch queue, a wait in a collective) and cudaMalloc calls inside it. Medians show whether a
+    first call is slower as a rule or through a few calls that waited or allocated."""
+
+    def __init__(self, device, on: bool):
+        self.device, self.on, self.rows = device, on, []
+
+    def __enter__(self):
+        if self.on:
+            from doc_packed.cp import attention
+
+            self._attention = attention
+            self._saved = {name: getattr(attention, name) for name in ("forward", "backward")}
+            for name, fn in self._saved.items():
+                setattr(attention, name, self._timed(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            for name, fn in self._saved.items():
+                setattr(self._attention, name, fn)
+
+    def _mallocs(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_device_alloc", 0))
+
+    def _timed(self, name, fn):
+        attention, comm = self._attention, self._attention.comm
+
+        def call(*args):
+            m0, firsts = self._mallocs(), attention._CALL_NS["first"][0]
+            sw0, a0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw, comm.agreement_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            result = fn(*args)
+            wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+            waited = comm.agreement_ns() - a0
+            switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - sw0
+            first = attention._CALL_NS["first"][0] > firsts
+            self.rows.append((name, first, wall / 1e3, (wall - waited) / 1e3, cpu / 1e3, switches, self._mallocs() - m0))
+            return result
+
+        return call
+
+    def summary(self) -> dict:
+        """``{"<pass> first|later": (calls, median wall us, median wall without the agreement,
+        median thread CPU us, share of calls that blocked, share that called cudaMalloc)}``."""
+        import statistics
+
+        out = {}
+        for name in ("forward", "backward"):
+            for first in (True, False):
+                rows = [r for r in self.rows if r[0] == name and r[1] == first]
+                if rows:
+                    med = [statistics.median(r[k] for r in rows) for k in (2, 3, 4)]
+                    share = [sum(1 for r in rows if r[k] > 0) / len(rows) for k in (5, 6)]
+                    out[f"{name} {'first' if first else 'later'}"] = (len(rows), *med, *share)
+        return out
+
+
 class _GcPauses:
     """Python's cyclic garbage collections seen by this process: (generation, seconds) of each,
     gathered per timed step (a collection over AutoParallel's long-lived graphs stalls a rank,
@@ -857,6 +936,7 @@ def worker(rank, world, port, args):
                 profile_dir=args.profile,
                 stall_dump=args.stall_dump,
                 trace_steps=args.trace_steps,
+                call_stats=args.call_stats,
             )
         except Exception as e:  # report on every rank; go on with the next mode if every rank failed
             import traceback
@@ -967,6 +1047,15 @@ def worker(rank, world, port, args):
                             if None not in ms
                         )
                     )
+                for r, stats in enumerate(t.get("call_stats") or []):
+                    print(
+                        f"    r{r} per call (median us: wall / without the agreement / thread CPU; share blocked, share "
+                        "with cudaMalloc): "
+                        + "; ".join(
+                            f"{what} x{n} {wall:.0f} / {work:.0f} / {cpu:.0f}, {blocked:.2f}, {malloc:.2f}"
+                            for what, (n, wall, work, cpu, blocked, malloc) in stats.items()
+                        )
+                    )
                 slowest = sorted(range(len(t["step_times_s"])), key=lambda k: -t["step_times_s"][k])[:3]
                 for k in sorted(slowest):
                     parts = "; ".join(
@@ -1050,6 +1139,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=["default", "freeze", "both"],
         help="Python's garbage collector in the timed steps: as the process has it, and/or frozen "
         "(gc.freeze() once the model is placed: long-lived objects no longer walked)",
+    )
+    ap.add_argument(
+        "--call-stats",
+        action="store_true",
+        help="time every context-parallel call of the timed steps on its own: medians of each pass's "
+        "first call on a layout and of its later ones, wall and thread CPU time, and the share of "
+        "calls that waited (voluntary switches) or called cudaMalloc (a diagnostic: it adds host work)",
     )
     ap.add_argument("--no-prepare", action="store_true", help="move each step's cu_seqlens in the step (no prepare)")
     ap.add_argument(
