@@ -1047,9 +1047,9 @@ def worker(rank, world, port, args):
                             if None not in ms
                         )
                     )
-                for r, stats in enumerate(t.get("call_stats") or []):
+                for rank_, stats in enumerate(t.get("call_stats") or []):
                     print(
-                        f"    r{r} per call (median us: wall / without the agreement / thread CPU; share blocked, share "
+                        f"    r{rank_} per call (median us: wall / without the agreement / thread CPU; share blocked, share "
                         "with cudaMalloc): "
                         + "; ".join(
                             f"{what} x{n} {wall:.0f} / {work:.0f} / {cpu:.0f}, {blocked:.2f}, {malloc:.2f}"

@@ -16,6 +16,7 @@ from doc_packed_testing.oracle import random_lengths
 from doc_packed import cp
 from doc_packed._doc_layout import get_layout
 from doc_packed.cp import attention
+from doc_packed.kernels import math
 from doc_packed_testing.oracle import reference
 
 HQ, HKV, D = 4, 2, 8
@@ -42,13 +43,25 @@ def prepared(rank, world):
     group = dist.group.WORLD
     report = []
     agreed0 = cp.runtime_counts()["agreements"]
+    planned = [0]  # the CPU kernel's query blocks planned inside the calls (prepare makes them ahead)
+    plan_blocks = math._plan_blocks
+
+    def counted(spec):
+        planned[0] += 1
+        return plan_blocks(spec)
+
     for i, (causal, window) in enumerate([(True, (-1, -1)), (True, (9, 0)), (False, (6, 11))]):
         cu = dp.cu_seqlens_from_lengths([random_lengths(rng, S), random_lengths(rng, S)], S, max_docs=S)
         before, in_calls = cp.runtime_counts()["schedules"], cp.runtime_counts()["schedules_in_calls"]
         ready = cp.prepare(cu, group, num_heads=(HQ, HKV), causal=causal, window_size=window, device="cpu")
         made = cp.runtime_counts()["schedules"] - before
-        err = _run(rank, world, ready, S, causal, window, i)
+        math._plan_blocks = counted
+        try:
+            err = _run(rank, world, ready, S, causal, window, i)
+        finally:
+            math._plan_blocks = plan_blocks
         report.append(("prepared", made, cp.runtime_counts()["schedules_in_calls"] - in_calls, err))
+        report.append(("math blocks planned in calls", planned[0], 0, 0.0))
     counts = cp.runtime_counts()
     report.append(("agreements", counts["agreements"] - agreed0, counts["agreement_us"], 0.0))
     # a plan made from plain lists (a DataLoader worker's way), pickled, handed back: it runs

@@ -27,12 +27,14 @@ DRY_RUNS = {
     "profile_cp_rank": (["--autograd", "--autograd-threads", "off"], False, True),
     "bench_packing": ([], False, False),
     "bench_cp_host": ([], False, True),
+    "bench_cp_first_call": (["--profile"], False, False),
     "soak_cp": ([], False, True),
     "bench_agreement": ([], False, True),
     "bench_cp": (["--sizes", "512", "--quick"], False, True),
     "bench_e2e": (
         ["--gpus", "2", "--seq", "256", "--batch", "2", "--mean-doc", "48", "--steps", "1", "--warmup", "1",
-         "--modes", "cp", "--threads", "launched", "--no-anchor", "--profile", "{tmp}", "--trace-steps", "0"],
+         "--modes", "cp", "--threads", "launched", "--no-anchor", "--profile", "{tmp}", "--trace-steps", "0",
+         "--call-stats"],
         True, True,
     ),
     "bench_emulate": (["--seq", "256", "--layouts", "cp", "--docs", "lognormal", "--steps", "1", "--warmup", "1",
@@ -123,9 +125,24 @@ def test_dry_run(name, tmp_path):
             (table,) = tmp_path.glob(f"trace_cp_*threads_step0_rank{rank}.txt")
             assert "doc_packed::attn_fwd" in table.read_text()
             assert table.with_suffix(".json").stat().st_size > 0
+        # --call-stats: every rank's calls one by one, each pass's first call apart from the later
+        # ones (the dry run's 2 layers: one of each per pass and step), the agreement's wait taken
+        # out of the wall time, never more than it
+        for rank in (0, 1):
+            line = next(x for x in run.stdout.splitlines() if x.strip().startswith(f"r{rank} per call"))
+            got = re.findall(r"(forward|backward) (first|later) x(\d+) (\d+) / (\d+) / (\d+)", line)
+            assert sorted((p, w, int(n)) for p, w, n, *_ in got) == [
+                ("backward", "first", 1), ("backward", "later", 1), ("forward", "first", 1), ("forward", "later", 1)
+            ], line
+            assert all(int(work) <= int(wall) for *_, wall, work, _ in got), line
         # the slowest steps' stall counters: every rank's, the context switches counted
         stalls = [x for x in run.stdout.splitlines() if "allocators, faults, switches" in x]
         assert stalls and all("r0 " in x and "r1 " in x and "switches" in x for x in stalls), stalls
+    if name == "bench_cp_first_call":  # each rank's passes, new layout against reused, and the profile
+        rows = [r.split(" | ") for r in run.stdout.splitlines() if r.startswith("| 1 x 1024 ")]
+        assert sorted((r[1], r[2]) for r in rows) == [("0", "backward"), ("0", "forward"), ("1", "backward"), ("1", "forward")]
+        assert all(float(x.strip(" |")) > 0 for r in rows for x in r[7:10]), rows
+        assert "cProfile, 1 x 1024, rank 1 of 2" in run.stdout
     if name == "trace_collectives":  # rank 0 waits 100 us at each of 3 calls, then both move for 50 us
         rows = {r.split(" | ")[0][2:]: r.split(" | ")[2:6] for r in run.stdout.splitlines() if r.startswith("| 0 ") or r.startswith("| 1 ")}
         assert rows == {"0": ["3", "450", "300", "150"], "1": ["3", "150", "0", "150"]}, run.stdout

@@ -3,7 +3,7 @@
 Training knows a batch's ``cu_seqlens`` before the step that uses it. :func:`prepare` does the
 host work a new layout needs (validation, the plan, this rank's schedule and its device indices,
 queued in one copy, and the schedule's first FA4 launches where earlier layouts' recordings
-allow: ``kernels.fa4.prepare``) at a moment the caller picks, for instance right after the
+allow: ``kernels.fa4.prepare``; on the CPU the math kernel's blocks) at a moment the caller picks, for instance right after the
 previous step's work is queued, while the GPU runs it. It returns ``cu_seqlens`` on the device, registered, so
 every attention call of the step finds what it needs without reading the tensor back (a device
 sync) and without planning. Nothing prepared: the first call of a step plans, as it always did.
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _doc_layout
-from ..kernels import fa4
+from ..kernels import fa4, math
 from .._checks import check_cu_seqlens, check_window
 from .._host import queue_to
 from . import _triton, attention, comm
@@ -98,7 +98,10 @@ def _prepare_group(layout, cp_group, num_heads, causal, left, right, dev, plan) 
         attention.install_schedule(layout, key, plan)  # what the calls run
     schedule = attention.schedule_for(layout, key)
     for call in (*schedule.stage_a, *schedule.stage_b):
-        fa4.prepare(call.spec, dev)  # their first FA4 launches, from the kinds met so far
+        if dev.type == "cpu":
+            math.prepare(call.spec, dev)  # the math kernel's blocks and bounds
+        else:
+            fa4.prepare(call.spec, dev)  # their first FA4 launches, from the kinds met so far
     attention.layout_tag(layout)  # what every call's agreement sends, computed once
 
 

@@ -135,6 +135,15 @@ def _device_bounds(spec: VarlenSpec, device: torch.device):
     return spec.cached(("bounds", device), lambda: tuple(t.to(device) for t in spec.key_bounds()))
 
 
+def prepare(spec: VarlenSpec, device: torch.device) -> None:
+    """Make what a call of ``spec`` on ``device`` reads first (its query blocks with their key
+    tiles, its key bounds on the device) ahead of it: for a layout's calls before its step
+    (``doc_packed.cp.prepare``), so its first call costs what a later one does."""
+    if spec.total_q:
+        spec.cached("blocks", lambda: _plan_blocks(spec))
+        _device_bounds(spec, device)
+
+
 def _query_blocks(spec: VarlenSpec, q: Tensor, hkv: int, acc: torch.dtype):
     """Each query block: ``(block, t0, t1, its queries heads-first, its key bounds)``."""
     lo, hi = _device_bounds(spec, q.device)
