@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 import doc_packed as dp
+from doc_packed import _doc_layout
 from bench import e2e_models as models
 from bench._harness import add_dry_run, spawn_ranks
 from doc_packed.data import lognormal_lengths
@@ -303,6 +304,9 @@ def run_mode(
     from shardings.step_model import Layout, Rates, Topology, price_placement
 
     torch._dynamo.reset()  # each mode compiles its own placed module
+    # every mode trains on the same layouts (the seeds below), and each must pay for them as new:
+    # forget the layouts, plans and schedules an earlier mode of this process made for them
+    _doc_layout.clear_cache()
     rank = dist.get_rank()
     max_docs = S // 8
     batches = make_batches(warmup + steps, spec, B, S, mean_doc, device)
