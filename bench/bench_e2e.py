@@ -297,6 +297,7 @@ def run_mode(
     stall_dump=0.0,
     trace_steps=(),
     call_stats=False,
+    overlap_scheduling=None,
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -334,6 +335,7 @@ def run_mode(
         placed = place(
             model, input_fn, mesh, **io, attention=force, doc_len=mean_doc, gpus_per_host=gpus_per_host, rates=rates,
             cu_seqlens=cu_host, mp_policy=settings.mp_policy(), print_report=rank == 0, compile_backend=compile_backend,
+            overlap_scheduling=overlap_scheduling,
         )  # fmt: skip
     autop, placement, choices = placed.autop, placed.placement, placed.attention
     in_pl = solved_input_placements(autop, placement)
@@ -941,6 +943,7 @@ def worker(rank, world, port, args):
                 stall_dump=args.stall_dump,
                 trace_steps=args.trace_steps,
                 call_stats=args.call_stats,
+                overlap_scheduling=True if args.overlap else None,
             )
         except Exception as e:  # report on every rank; go on with the next mode if every rank failed
             import traceback
@@ -1127,6 +1130,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 2,2 (default: 1-D of all GPUs)")
     ap.add_argument("--names", default="x", help="mesh dim names, e.g. dp,cp")
     ap.add_argument("--compile", default="auto", help="compile_placed backend: auto, autoparallel, inductor, eager")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="compile_placed(overlap_scheduling=True): the Inductor fallback also runs torch's "
+        "communication/compute overlap pass (AutoParallel's backend runs it on GPUs anyway)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")
     ap.add_argument("--gpus-per-host", type=int, default=None, help="GPUs per host for the cost model (default: all)")

@@ -200,7 +200,7 @@ def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
     return out
 
 
-def place(layout, world, cfg, B, S, device, dtype, compile_backend):
+def place(layout, world, cfg, B, S, device, dtype, compile_backend, overlap_scheduling=None):
     """AutoParallel plans the model for the layout's mesh (attention forced to the layout);
     returns (placed module, its compiled form, the compile choice, mesh, token placements)."""
     from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
@@ -227,7 +227,8 @@ def place(layout, world, cfg, B, S, device, dtype, compile_backend):
     # AutoParallel's own topology detection and the default attention pricing (gpus_per_host=None)
     with device_name_for_cost_model():
         placed = flow.place(model, input_fn, mesh, inputs=[tok_pl, cu_pl], outputs=[tok_pl], attention=force,
-                            doc_len=2048, gpus_per_host=None, describe=False, compile_backend=compile_backend)
+                            doc_len=2048, gpus_per_host=None, describe=False, compile_backend=compile_backend,
+                            overlap_scheduling=overlap_scheduling)
     parallel = placed.parallel
     parallel.to_empty(device=device)
     with torch.no_grad():
@@ -251,7 +252,9 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
     dp_size = shape[names.index("dp")] if "dp" in names else 1
     B = dp_size  # one row per data-parallel rank
     t0 = time.perf_counter()
-    parallel, compiled, choice, mesh, tok_pl = place(layout, world, cfg, B, S, device, dtype, args.compile)
+    parallel, compiled, choice, mesh, tok_pl = place(
+        layout, world, cfg, B, S, device, dtype, args.compile, True if args.overlap else None
+    )
     plan_s = time.perf_counter() - t0
     tokens = torch.randint(0, cfg["vocab"], (B, S), device=device)
     targets = torch.randint(0, cfg["vocab"], (B, S), device=device)
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="at least 1")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per variant; the best is kept")
     ap.add_argument("--compile", default="auto", help="compile_placed backend")
+    ap.add_argument("--overlap", action="store_true", help="compile_placed(overlap_scheduling=True)")
     ap.add_argument("--one-doc-max", type=int, default=32768, help="one-document rows only up to this S")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--skip-eager", action="store_true", help="skip the eager placed module")

@@ -12,7 +12,10 @@ closes. :func:`compile_placed` picks the compiler and says which and why:
   torch 2.11 lacks (``is_opaque_node``, ``_is_assert_only_symbool``), which :func:`compile_placed`
   checks by reading those imports from AutoParallel's own source, not from a version table.
   Overlap scheduling needs a GPU (Triton); on CPU meshes it is turned off.
-- ``"inductor"``: plain ``torch.compile(module)``, the fallback (torch 2.11).
+- ``"inductor"``: plain ``torch.compile(module)``, the fallback (torch 2.11). With
+  ``overlap_scheduling=True`` (not the default until measured), torch's own communication/compute
+  overlap pass for ATen graphs (``torch._inductor.config.aten_distributed_optimizations``, the
+  settings AutoParallel's backend patches in) where the installed torch has it, on GPU meshes.
 - ``"eager"``: the module as AutoParallel returns it, for debugging.
 
 ``doc_packed``'s ops stay opaque custom ops in the compiled graphs (no graph breaks:
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BACKENDS", "CompileChoice", "autoparallel_backend_blocker", "compile_placed"]
+__all__ = ["BACKENDS", "INDUCTOR_OVERLAP", "CompileChoice", "autoparallel_backend_blocker", "compile_placed"]
 
 BACKENDS = ("auto", "autoparallel", "inductor", "eager")
 
@@ -92,6 +95,34 @@ def _on_cpu(module: torch.nn.Module) -> bool:
     return True
 
 
+# torch's communication/compute overlap pass for ATen graphs, as AutoParallel's backend turns it on
+# (autoparallel/compile.py's _INDUCTOR_OVERLAP_PATCHES): the scheduler moves each collective early
+# and its wait late around independent compute, and buckets collectives it can merge
+INDUCTOR_OVERLAP: dict[str, bool] = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": True,
+    "aten_distributed_optimizations.collective_bucketing": True,
+    "aten_distributed_optimizations.insert_overlap_deps": True,
+}
+
+
+def _inductor_settings() -> set[str]:
+    """The dotted names of the settings this torch's Inductor has."""
+    import torch._inductor.config as inductor_config
+
+    return set(inductor_config.get_config_copy())
+
+
+def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, bool], str]:
+    """Inductor's config patches for overlap scheduling on ``module``, or why there are none."""
+    if _on_cpu(module):
+        return {}, "a CPU mesh: the pass needs Triton"
+    known = _inductor_settings()
+    missing = [k for k in INDUCTOR_OVERLAP if k not in known]
+    if missing:
+        return {}, f"torch {torch.__version__} has no {', '.join(missing)}"
+    return dict(INDUCTOR_OVERLAP), ""
+
+
 def _compiled(module: object) -> torch.nn.Module:
     """``torch.compile`` of a module is a module (an ``OptimizedModule``); its stubs say callable."""
     assert isinstance(module, torch.nn.Module)
@@ -116,8 +147,10 @@ def compile_placed(
             A forced ``"autoparallel"`` that cannot run raises RuntimeError saying why.
         activation_checkpointing: AutoParallel backend only: recompute activations to save
             memory. Off by default, so the placed model does the work a hand-written one does.
-        overlap_scheduling: AutoParallel backend only: Inductor's communication/compute overlap
-            scheduling. Default: on for GPU parameters, off on CPU (it needs Triton).
+        overlap_scheduling: Inductor's communication/compute overlap scheduling. AutoParallel
+            backend: default on for GPU parameters, off on CPU (it needs Triton). Inductor
+            fallback: default off; True turns on torch's pass on GPU meshes where this torch has
+            it (:data:`INDUCTOR_OVERLAP`), and the choice says which settings were applied.
         fullgraph: passed to ``torch.compile``: a graph break raises instead of splitting.
     """
     if backend not in BACKENDS:
@@ -129,7 +162,12 @@ def compile_placed(
         raise RuntimeError(f"backend='autoparallel' cannot run: {blocker}; use 'inductor'")
     if backend == "inductor" or blocker is not None:
         reason = "asked for" if backend == "inductor" else f"fallback: {blocker}"
-        return _compiled(torch.compile(module, fullgraph=fullgraph)), CompileChoice("inductor", reason)
+        patches, why_not = _inductor_overlap(module) if overlap_scheduling else ({}, "")
+        options = tuple(patches.items()) if patches else ()
+        if why_not:
+            reason += f"; overlap scheduling off ({why_not})"
+        compiled = torch.compile(module, fullgraph=fullgraph, options=dict(patches) or None)
+        return _compiled(compiled), CompileChoice("inductor", reason, options)
     from autoparallel.compile import autoparallel_backend
 
     cpu = _on_cpu(module)

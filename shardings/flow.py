@@ -93,6 +93,7 @@ def place(
     print_report: bool = False,
     apply: bool = True,
     compile_backend: str = "auto",
+    overlap_scheduling: bool | None = None,
     progress: Callable[[str], AbstractContextManager[object]] | None = None,
 ) -> PlacedModel:
     """Place ``model`` on ``mesh`` with AutoParallel and return the module to run.
@@ -128,6 +129,7 @@ def place(
         compile_backend: :func:`~shardings.compile.compile_placed`'s ``backend`` (``"auto"``,
             ``"autoparallel"``, ``"inductor"``, ``"eager"``). Compilation is lazy: the first
             call of ``module`` compiles, after the weights are in place.
+        overlap_scheduling: :func:`~shardings.compile.compile_placed`'s (None: its default).
         progress: called with ``"trace"``, ``"solve"`` and ``"apply"``; each returned context
             manager wraps that stage (e.g. to print its time).
 
@@ -173,5 +175,5 @@ def place(
                 parallel = autop.apply_placement(placement)
     if parallel is None:
         return PlacedModel(None, None, None, choices, autop, placement)
-    module, how = compile_placed(parallel, compile_backend)
+    module, how = compile_placed(parallel, compile_backend, overlap_scheduling=overlap_scheduling)
     return PlacedModel(module, parallel, how, choices, autop, placement)

@@ -48,3 +48,32 @@ def test_place_rejects_bad_arguments_before_tracing():
         place(model, lambda: (torch.zeros(1, 4),), mesh, compile_backend="bogus")
     with pytest.raises(ValueError, match="rates are used by the attention pricing, which needs gpus_per_host"):
         place(model, lambda: (torch.zeros(1, 4),), mesh, gpus_per_host=None, rates="rates.json")
+
+
+def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
+    """The Inductor fallback compiles without overlap scheduling unless asked; asked, it passes
+    torch's overlap settings to torch.compile on a GPU mesh, and says why not on a CPU one or on a
+    torch without them."""
+    model = torch.nn.Linear(4, 4)
+    seen: list = []
+    real_compile = torch.compile
+
+    def spy(module, **kwargs):
+        seen.append(kwargs.get("options"))
+        return real_compile(module, **kwargs)
+
+    monkeypatch.setattr(sc.torch, "compile", spy)
+    _, choice = sc.compile_placed(model, "inductor")
+    assert seen[-1] is None and choice.options == ()
+    _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)  # CPU parameters
+    assert seen[-1] is None and "overlap scheduling off (a CPU mesh" in choice.reason
+
+    monkeypatch.setattr(sc, "_on_cpu", lambda module: False)  # as on a GPU mesh
+    _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)
+    assert seen[-1] == sc.INDUCTOR_OVERLAP and dict(choice.options) == sc.INDUCTOR_OVERLAP
+    assert "enable_overlap_scheduling=True" in str(choice)
+
+    known = sc._inductor_settings() - {"aten_distributed_optimizations.enable_overlap_scheduling"}
+    monkeypatch.setattr(sc, "_inductor_settings", lambda: known)
+    _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)
+    assert seen[-1] is None and "has no aten_distributed_optimizations.enable_overlap_scheduling" in choice.reason
