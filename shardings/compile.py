@@ -97,11 +97,16 @@ def _on_cpu(module: torch.nn.Module) -> bool:
 
 # torch's communication/compute overlap pass for ATen graphs, as AutoParallel's backend turns it on
 # (autoparallel/compile.py's _INDUCTOR_OVERLAP_PATCHES): the scheduler moves each collective early
-# and its wait late around independent compute, and buckets collectives it can merge
-INDUCTOR_OVERLAP: dict[str, bool] = {
+# and its wait late around independent compute, and buckets collectives it can merge. Compute is
+# estimated from FLOPs and bytes ("analytical"): the pass's default benchmarks every compute node
+# by running it on random inputs, which for a context-parallel attention call means its agreement
+# and exchange inside the compile, on random cu_seqlens (measured on one H200, torch 2.11: the
+# compile fails there)
+INDUCTOR_OVERLAP: dict[str, bool | str] = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
     "aten_distributed_optimizations.collective_bucketing": True,
     "aten_distributed_optimizations.insert_overlap_deps": True,
+    "aten_distributed_optimizations.compute_estimator": "analytical",
 }
 
 
@@ -112,7 +117,7 @@ def _inductor_settings() -> set[str]:
     return set(inductor_config.get_config_copy())
 
 
-def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, bool], str]:
+def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, bool | str], str]:
     """Inductor's config patches for overlap scheduling on ``module``, or why there are none."""
     if _on_cpu(module):
         return {}, "a CPU mesh: the pass needs Triton"
