@@ -70,13 +70,6 @@ class DocLayout:
     def batch(self) -> int:
         return len(self.rows)
 
-    def derived_get(self, key: Any) -> Any:
-        """The value memoised under ``key``, or None."""
-        value = self._derived.get(key)
-        if value is not None:
-            self._derived.move_to_end(key)
-        return value
-
     def put(self, key: Any, value: Any) -> None:
         """Memoise ``value`` under ``key``, replacing what was there."""
         self._derived[key] = value
