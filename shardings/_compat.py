@@ -26,6 +26,7 @@ __all__ = [
     "TensorMeta",
     "current_mesh",
     "generate_redistribute_costs",
+    "inductor_settings",
     "install_custom_op_handler",
     "op_dispatcher",
     "register_op_strategy",
@@ -100,3 +101,9 @@ def trace_artifact(name: str, payload: Callable[[], str]) -> None:
     private("torch._logging", "trace_structured")(
         "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"}, payload_fn=payload
     )
+
+
+def inductor_settings() -> set[str]:
+    """The dotted names of the settings the installed torch's Inductor has (its config module:
+    ``torch._inductor.config``), to check a setting exists before ``torch.compile(options=...)``."""
+    return set(private("torch._inductor", "config").get_config_copy())

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _compat
+
 __all__ = ["BACKENDS", "INDUCTOR_OVERLAP", "CompileChoice", "autoparallel_backend_blocker", "compile_placed"]
 
 BACKENDS = ("auto", "autoparallel", "inductor", "eager")
@@ -110,18 +112,11 @@ INDUCTOR_OVERLAP: dict[str, bool | str] = {
 }
 
 
-def _inductor_settings() -> set[str]:
-    """The dotted names of the settings this torch's Inductor has."""
-    import torch._inductor.config as inductor_config
-
-    return set(inductor_config.get_config_copy())
-
-
 def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, bool | str], str]:
     """Inductor's config patches for overlap scheduling on ``module``, or why there are none."""
     if _on_cpu(module):
         return {}, "a CPU mesh: the pass needs Triton"
-    known = _inductor_settings()
+    known = _compat.inductor_settings()
     missing = [k for k in INDUCTOR_OVERLAP if k not in known]
     if missing:
         return {}, f"torch {torch.__version__} has no {', '.join(missing)}"

@@ -73,7 +73,7 @@ def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
     assert seen[-1] == sc.INDUCTOR_OVERLAP and dict(choice.options) == sc.INDUCTOR_OVERLAP
     assert "enable_overlap_scheduling=True" in str(choice)
 
-    known = sc._inductor_settings() - {"aten_distributed_optimizations.enable_overlap_scheduling"}
-    monkeypatch.setattr(sc, "_inductor_settings", lambda: known)
+    known = sc._compat.inductor_settings() - {"aten_distributed_optimizations.enable_overlap_scheduling"}
+    monkeypatch.setattr(sc._compat, "inductor_settings", lambda: known)
     _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)
     assert seen[-1] is None and "has no aten_distributed_optimizations.enable_overlap_scheduling" in choice.reason
