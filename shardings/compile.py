@@ -163,11 +163,10 @@ def compile_placed(
     if backend == "inductor" or blocker is not None:
         reason = "asked for" if backend == "inductor" else f"fallback: {blocker}"
         patches, why_not = _inductor_overlap(module) if overlap_scheduling else ({}, "")
-        options = tuple(patches.items()) if patches else ()
         if why_not:
             reason += f"; overlap scheduling off ({why_not})"
         compiled = torch.compile(module, fullgraph=fullgraph, options=dict(patches) or None)
-        return _compiled(compiled), CompileChoice("inductor", reason, options)
+        return _compiled(compiled), CompileChoice("inductor", reason, tuple(patches.items()))
     from autoparallel.compile import autoparallel_backend
 
     cpu = _on_cpu(module)

@@ -3,10 +3,10 @@
 Training knows a batch's ``cu_seqlens`` before the step that uses it. :func:`prepare` does the
 host work a new layout needs (validation, the plan, this rank's schedule and its device indices,
 queued in one copy, and the schedule's first FA4 launches where earlier layouts' recordings
-allow: ``kernels.fa4.prepare``; on the CPU the math kernel's blocks) at a moment the caller picks, for instance right after the
-previous step's work is queued, while the GPU runs it. It returns ``cu_seqlens`` on the device, registered, so
-every attention call of the step finds what it needs without reading the tensor back (a device
-sync) and without planning. Nothing prepared: the first call of a step plans, as it always did.
+allow: ``kernels.fa4.prepare``; on the CPU the math kernel's query blocks) at a moment the caller
+picks, for instance right after the previous step's work is queued, while the GPU runs it. It
+returns ``cu_seqlens`` on the device, registered, so every attention call of the step finds what
+it needs without reading the tensor back (a device sync) and without planning. Nothing prepared: the first call of a step plans, as it always did.
 
 The plan itself is a value (:class:`~.plan.ContextParallelPlan`): made anywhere from plain
 lists (:func:`~.plan.plan_context_parallel`, e.g. in a DataLoader worker process), printed,
