@@ -785,14 +785,14 @@ class _CallStats:
         attention, comm = self._attention, self._attention.comm
 
         def call(*args):
-            m0, firsts = self._mallocs(), attention._CALL_NS["first"][0]
+            m0, firsts = self._mallocs(), attention.call_host_times()["first"][0]
             sw0, a0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw, comm.agreement_ns()
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             result = fn(*args)
             wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
             waited = comm.agreement_ns() - a0
             switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - sw0
-            first = attention._CALL_NS["first"][0] > firsts
+            first = attention.call_host_times()["first"][0] > firsts
             self.rows.append((name, first, wall / 1e3, (wall - waited) / 1e3, cpu / 1e3, switches, self._mallocs() - m0))
             return result
 
