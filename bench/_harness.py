@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue as queues
 import socket
 import statistics
 import time
 import traceback
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -98,6 +100,22 @@ def timed_ms(
         times = [a.elapsed_time(b) for a, b in events]
     reduce = {"median": statistics.median, "mean": statistics.fmean, "min": min}[stat]
     return reduce(times) / calls
+
+
+@contextlib.contextmanager
+def wrapped_cp_passes(wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Inside the block, ``doc_packed.cp.attention.forward`` and ``backward`` are
+    ``wrap(name, original)`` (the op looks them up at each call); restored on exit."""
+    from doc_packed.cp import attention
+
+    saved = {name: getattr(attention, name) for name in ("forward", "backward")}
+    for name, fn in saved.items():
+        setattr(attention, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(attention, name, fn)
 
 
 def free_port() -> int:

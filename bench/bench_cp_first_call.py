@@ -36,7 +36,7 @@ import torch
 
 import doc_packed as dp
 from bench import bench_cp_emulate as emu
-from bench._harness import add_dry_run, device_name, sync
+from bench._harness import add_dry_run, device_name, sync, wrapped_cp_passes
 from doc_packed import cp
 from doc_packed.cp import attention
 
@@ -66,14 +66,12 @@ class _Timed:
         self.profiled: collections.Counter = collections.Counter()
 
     def __enter__(self):
-        self._saved = {name: getattr(attention, name) for name in PASSES}
-        for name, fn in self._saved.items():
-            setattr(attention, name, self._wrap(name, fn))
+        self._wrapped = wrapped_cp_passes(self._wrap)
+        self._wrapped.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(attention, name, fn)
+        self._wrapped.__exit__(*exc)
 
     def _wrap(self, name, fn):
         def call(*args):

@@ -67,7 +67,7 @@ import torch.distributed as dist
 import doc_packed as dp
 from doc_packed import _doc_layout
 from bench import e2e_models as models
-from bench._harness import add_dry_run, spawn_ranks
+from bench._harness import add_dry_run, spawn_ranks, wrapped_cp_passes
 from doc_packed.data import lognormal_lengths
 from doc_packed.kernels import fa4_launch
 from doc_packed_testing.ap_compat import device_name_for_cost_model, patch_autoparallel_for_torch
@@ -762,19 +762,12 @@ class _CallStats:
         self.device, self.on, self.rows = device, on, []
 
     def __enter__(self):
-        if self.on:
-            from doc_packed.cp import attention
-
-            self._attention = attention
-            self._saved = {name: getattr(attention, name) for name in ("forward", "backward")}
-            for name, fn in self._saved.items():
-                setattr(attention, name, self._timed(name, fn))
+        self._wrapped = wrapped_cp_passes(self._timed) if self.on else contextlib.nullcontext()
+        self._wrapped.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.on:
-            for name, fn in self._saved.items():
-                setattr(self._attention, name, fn)
+        self._wrapped.__exit__(*exc)
 
     def _mallocs(self) -> int:
         if self.device.type != "cuda":
@@ -782,7 +775,7 @@ class _CallStats:
         return int(torch.cuda.memory_stats(self.device).get("num_device_alloc", 0))
 
     def _timed(self, name, fn):
-        attention, comm = self._attention, self._attention.comm
+        from doc_packed.cp import attention, comm
 
         def call(*args):
             m0, firsts = self._mallocs(), attention.call_host_times()["first"][0]
