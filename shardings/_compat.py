@@ -27,6 +27,7 @@ __all__ = [
     "current_mesh",
     "generate_redistribute_costs",
     "inductor_settings",
+    "overlap_default_ms",
     "install_custom_op_handler",
     "op_dispatcher",
     "register_op_strategy",
@@ -107,3 +108,22 @@ def inductor_settings() -> set[str]:
     """The dotted names of the settings the installed torch's Inductor has (its config module:
     ``torch._inductor.config``), to check a setting exists before ``torch.compile(options=...)``."""
     return set(private("torch._inductor", "config").get_config_copy())
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def overlap_default_ms(node: torch.fx.Node) -> float | None:
+    """What Inductor's overlap pass estimates for ``node`` when no hook answers: None for the
+    nodes it times itself (compute nodes: by benchmark or roofline; collectives: by its own
+    model), else its estimate for the rest (roofline on torch 2.13+, memory-bound on 2.11)."""
+    if node.op != "call_function" or getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
+        return None
+    passes = "torch._inductor.fx_passes.overlap_scheduling"
+    if private(passes, "is_compute_node")(node):
+        return None
+    try:
+        estimate = private(passes, "estimate_roofline_runtime_ms")
+    except PrivateAPIError:  # torch 2.11
+        estimate = private(passes, "estimate_mem_bound_runtime_ms")
+    return float(estimate(node))

@@ -30,10 +30,11 @@ import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, overlap
 
 __all__ = ["BACKENDS", "INDUCTOR_OVERLAP", "CompileChoice", "autoparallel_backend_blocker", "compile_placed"]
 
@@ -49,7 +50,7 @@ class CompileChoice:
     options: tuple[tuple[str, object], ...] = ()
 
     def __str__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options)
+        opts = ", ".join(f"{k}={getattr(v, '__qualname__', v)}" for k, v in self.options)
         return f"{self.backend}{f' ({opts})' if opts else ''}: {self.reason}"
 
 
@@ -99,20 +100,19 @@ def _on_cpu(module: torch.nn.Module) -> bool:
 
 # torch's communication/compute overlap pass for ATen graphs, as AutoParallel's backend turns it on
 # (autoparallel/compile.py's _INDUCTOR_OVERLAP_PATCHES): the scheduler moves each collective early
-# and its wait late around independent compute, and buckets collectives it can merge. Compute is
-# estimated from FLOPs and bytes ("analytical"): the pass's default benchmarks every compute node
-# by running it on random inputs, which for a context-parallel attention call means its agreement
-# and exchange inside the compile, on random cu_seqlens (measured on one H200, torch 2.11: the
-# compile fails there)
-INDUCTOR_OVERLAP: dict[str, bool | str] = {
+# and its wait late around independent compute, and buckets collectives it can merge. doc_packed's
+# calls are timed by the step model (shardings.overlap): the pass's own way, running each compute
+# node on random inputs, would run a context-parallel call's agreement and exchange inside the
+# compile, on random cu_seqlens (measured on one H200, torch 2.11: the compile fails there)
+INDUCTOR_OVERLAP: dict[str, Any] = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
     "aten_distributed_optimizations.collective_bucketing": True,
     "aten_distributed_optimizations.insert_overlap_deps": True,
-    "aten_distributed_optimizations.compute_estimator": "analytical",
+    "aten_distributed_optimizations.custom_runtime_estimation": overlap.runtime_estimate_ms,
 }
 
 
-def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, bool | str], str]:
+def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, Any], str]:
     """Inductor's config patches for overlap scheduling on ``module``, or why there are none."""
     if _on_cpu(module):
         return {}, "a CPU mesh: the pass needs Triton"
