@@ -26,6 +26,7 @@ import argparse
 import collections
 import cProfile
 import dataclasses
+import gc
 import os
 import pstats
 import random
@@ -96,9 +97,12 @@ class _Timed:
         return call
 
 
-def _steps(timed: _Timed, run: str, n: int, B: int, S: int, c: int, layers: int, layouts, device, dtype) -> None:
+def _steps(
+    timed: _Timed, run: str, n: int, B: int, S: int, c: int, layers: int, layouts, device, dtype, collect: bool = False
+) -> None:
     """``n`` steps of ``layers`` attention layers on this emulated rank's chunk, each step's
-    layout prepared while the step before runs; ``layouts()`` gives the next layout."""
+    layout prepared while the step before runs; ``layouts()`` gives the next layout. ``collect``:
+    one ``gc.collect(1)`` after each step (the automatic collector off, as torchtitan runs it)."""
     timed.run = run
     scale = D**-0.5
     ready = cp.prepare(layouts(), emu.GROUP, num_heads=(HQ, HKV), device=device)
@@ -112,6 +116,8 @@ def _steps(timed: _Timed, run: str, n: int, B: int, S: int, c: int, layers: int,
         ready = cp.prepare(layouts(), emu.GROUP, num_heads=(HQ, HKV), device=device)  # the next step's
         h.float().sum().backward()
         sync(device)
+        if collect:
+            gc.collect(1)
 
 
 def _median(xs: list[float]) -> float:
@@ -130,17 +136,27 @@ def measure(B: int, S: int, c: int, rank: int, args, device, dtype) -> tuple[lis
 
     fixed = new()
     dims = (B, S, c, args.layers)
+    manual = args.gc == "manual"
     with _Timed() as timed:
         _steps(timed, "warm-up", args.warmup, *dims, new, device, dtype)
         timed.calls.clear()
-        for _ in range(args.rounds):
-            _steps(timed, "new", args.steps, *dims, new, device, dtype)
-            _steps(timed, "reused", args.steps, *dims, lambda: fixed, device, dtype)
-        lines = []
-        if args.profile:
-            timed.profile = True
-            _steps(timed, "new", args.steps, *dims, new, device, dtype)
-            lines = _profile_lines(timed, f"{B} x {S}, rank {rank} of {c}")
+        if manual:
+            gc.collect()
+            gc.freeze()  # what warm-up left is not scanned again
+            gc.disable()
+        try:
+            for _ in range(args.rounds):
+                _steps(timed, "new", args.steps, *dims, new, device, dtype, manual)
+                _steps(timed, "reused", args.steps, *dims, lambda: fixed, device, dtype, manual)
+            lines = []
+            if args.profile:
+                timed.profile = True
+                _steps(timed, "new", args.steps, *dims, new, device, dtype, manual)
+                lines = _profile_lines(timed, f"{B} x {S}, rank {rank} of {c}")
+        finally:
+            if manual:
+                gc.enable()
+                gc.unfreeze()
     rows = []
     for pass_ in PASSES:
         pick = lambda run, first: [  # noqa: E731
@@ -178,6 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=6, help="steps before timing (kernels built, caches filled)")
     ap.add_argument("--rounds", type=int, default=2, help="new and reused runs, in turn, this many times")
     ap.add_argument("--profile", action="store_true", help="cProfile the new-layout steps once more")
+    ap.add_argument(
+        "--gc",
+        choices=("auto", "manual"),
+        default="auto",
+        help="auto: Python's collector as it is; manual: after warm-up everything frozen, the automatic "
+        "collector off and one gc.collect(1) after each step (torchtitan's way)",
+    )
     add_dry_run(ap, "one row of 1024 tokens at CP 2 on CPU (float32), two steps per run: checks the script runs")
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -197,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     emu._install(None)
     print(
         f"# {device_name(device)}, torch {torch.__version__}; CP {args.cp} emulated, Hq/Hkv {HQ}/{HKV}, D {D}, "
-        f"{args.layers} layers, {args.steps} steps x {args.rounds} rounds per run; medians, host us per call"
+        f"{args.layers} layers, {args.steps} steps x {args.rounds} rounds per run, garbage collector {args.gc}; "
+        "medians, host us per call"
     )
     print(
         "| B x S | rank | pass | first call, new layout: wall (CPU) | first call, layout reused: wall (CPU) "
