@@ -8,8 +8,9 @@ raises :class:`doc_packed._compat.PrivateAPIError` naming it and the versions ch
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ __all__ = [
     "TensorMeta",
     "current_mesh",
     "generate_redistribute_costs",
+    "compile_settings",
+    "functorch_settings",
     "inductor_settings",
     "overlap_default_ms",
     "install_custom_op_handler",
@@ -127,3 +130,17 @@ def overlap_default_ms(node: torch.fx.Node) -> float | None:
     except PrivateAPIError:  # torch 2.11
         estimate = private(passes, "estimate_mem_bound_runtime_ms")
     return float(estimate(node))
+
+
+def functorch_settings() -> set[str]:
+    """The names of AOTAutograd's settings in the installed torch (``torch._functorch.config``)."""
+    return set(private("torch._functorch", "config").get_config_copy())
+
+
+@contextlib.contextmanager
+def compile_settings(inductor: dict[str, Any], functorch: dict[str, Any]) -> Iterator[None]:
+    """Inductor's and AOTAutograd's settings patched while a compile runs inside the block
+    (``torch._inductor.config``, ``torch._functorch.config``: what ``torch.compile(options=...)``
+    does for Inductor's, for a backend that takes no options)."""
+    with private("torch._inductor", "config").patch(inductor), private("torch._functorch", "config").patch(functorch):
+        yield

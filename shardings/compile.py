@@ -12,6 +12,9 @@ closes. :func:`compile_placed` picks the compiler and says which and why:
   torch 2.11 lacks (``is_opaque_node``, ``_is_assert_only_symbool``), which :func:`compile_placed`
   checks by reading those imports from AutoParallel's own source, not from a version table.
   Overlap scheduling needs a GPU (Triton); on CPU meshes it is turned off.
+- In both, the overlap pass times ``doc_packed``'s calls with :mod:`shardings.overlap` instead of
+  running them on random inputs (for AutoParallel's backend, which takes no Inductor options, the
+  hook is set around its compile, and the backward graph is compiled with the forward).
 - ``"inductor"``: plain ``torch.compile(module)``, the fallback (torch 2.11). With
   ``overlap_scheduling=True`` (not the default until measured), torch's own communication/compute
   overlap pass for ATen graphs (``torch._inductor.config.aten_distributed_optimizations``, the
@@ -98,6 +101,9 @@ def _on_cpu(module: torch.nn.Module) -> bool:
     return True
 
 
+_ESTIMATE = "aten_distributed_optimizations.custom_runtime_estimation"  # the overlap pass's timing hook
+_EAGER_BACKWARD = "force_non_lazy_backward_lowering"  # AOTAutograd compiles the backward with the forward
+
 # torch's communication/compute overlap pass for ATen graphs, as AutoParallel's backend turns it on
 # (autoparallel/compile.py's _INDUCTOR_OVERLAP_PATCHES): the scheduler moves each collective early
 # and its wait late around independent compute, and buckets collectives it can merge. doc_packed's
@@ -108,8 +114,20 @@ INDUCTOR_OVERLAP: dict[str, Any] = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
     "aten_distributed_optimizations.collective_bucketing": True,
     "aten_distributed_optimizations.insert_overlap_deps": True,
-    "aten_distributed_optimizations.custom_runtime_estimation": overlap.runtime_estimate_ms,
+    _ESTIMATE: overlap.runtime_estimate_ms,
 }
+
+
+def _estimated(compile_fn):
+    """AutoParallel's backend with the overlap pass's hook set (it takes no Inductor options) for
+    the forward and the backward graph: the backward is compiled with the forward, inside the
+    same settings, not lazily at the first ``backward()`` where they would be gone."""
+
+    def compile_with_estimates(gm, example_inputs):
+        with _compat.compile_settings({_ESTIMATE: overlap.runtime_estimate_ms}, {_EAGER_BACKWARD: True}):
+            return compile_fn(gm, example_inputs)
+
+    return compile_with_estimates
 
 
 def _inductor_overlap(module: torch.nn.Module) -> tuple[dict[str, Any], str]:
@@ -148,7 +166,8 @@ def compile_placed(
         activation_checkpointing: AutoParallel backend only: recompute activations to save
             memory. Off by default, so the placed model does the work a hand-written one does.
         overlap_scheduling: Inductor's communication/compute overlap scheduling. AutoParallel
-            backend: default on for GPU parameters, off on CPU (it needs Triton). Inductor
+            backend: default on for GPU parameters, off on CPU (it needs Triton); where it is on
+            and this torch has the hook, the backward graph is compiled with the forward. Inductor
             fallback: default off; True turns on torch's pass on GPU meshes where this torch has
             it (:data:`INDUCTOR_OVERLAP`), and the choice says which settings were applied.
         fullgraph: passed to ``torch.compile``: a graph break raises instead of splitting.
@@ -172,12 +191,19 @@ def compile_placed(
     cpu = _on_cpu(module)
     if overlap_scheduling is None:
         overlap_scheduling = not cpu
-    options = (("activation_checkpointing", activation_checkpointing), ("overlap_scheduling", overlap_scheduling))
-    compiled = torch.compile(
-        module,
-        backend=autoparallel_backend(enable_ac=activation_checkpointing, overlap_scheduling=overlap_scheduling),
-        fullgraph=fullgraph,
+    options: tuple[tuple[str, object], ...] = (
+        ("activation_checkpointing", activation_checkpointing),
+        ("overlap_scheduling", overlap_scheduling),
     )
+    compile_fn = autoparallel_backend(enable_ac=activation_checkpointing, overlap_scheduling=overlap_scheduling)
+    if (
+        overlap_scheduling
+        and _ESTIMATE in _compat.inductor_settings()
+        and _EAGER_BACKWARD in _compat.functorch_settings()
+    ):
+        compile_fn = _estimated(compile_fn)
+        options += ((_ESTIMATE, overlap.runtime_estimate_ms),)
+    compiled = torch.compile(module, backend=compile_fn, fullgraph=fullgraph)
     reason = "asked for" if backend == "autoparallel" else "AutoParallel's backend runs on this torch"
     if cpu and not overlap_scheduling:
         reason += "; overlap scheduling off on CPU (it needs Triton)"

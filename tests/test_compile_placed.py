@@ -77,3 +77,44 @@ def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
     monkeypatch.setattr(sc._compat, "inductor_settings", lambda: known)
     _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)
     assert seen[-1] is None and "has no aten_distributed_optimizations.enable_overlap_scheduling" in choice.reason
+
+
+def test_autoparallel_backend_gets_the_overlap_hook_for_forward_and_backward(monkeypatch):
+    """AutoParallel's backend takes no Inductor options and turns the overlap pass on by itself on
+    GPU meshes; compile_placed runs it with the pass's timing hook set for both graphs (the
+    backward compiled with the forward, inside the same settings), and leaves the process's
+    settings as they were. A stand-in backend records what Inductor saw at each compile."""
+    import types
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from shardings import overlap
+
+    seen: list[tuple[bool, object]] = []
+
+    def inner(gm, example_inputs, **kwargs):
+        seen.append((bool(kwargs.get("is_backward")), inductor_config.aten_distributed_optimizations.custom_runtime_estimation))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def autoparallel_backend(enable_ac, overlap_scheduling):
+        assert overlap_scheduling  # a GPU mesh's default
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
+
+    fake = types.ModuleType("autoparallel.compile")
+    fake.autoparallel_backend = autoparallel_backend  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "autoparallel.compile", fake)
+    monkeypatch.setattr(sc, "autoparallel_backend_blocker", lambda: None)
+    monkeypatch.setattr(sc, "_on_cpu", lambda module: False)  # as on a GPU mesh
+    torch._dynamo.reset()
+
+    model = torch.nn.Linear(8, 8)
+    compiled, choice = sc.compile_placed(model, "autoparallel")
+    assert choice.backend == "autoparallel" and dict(choice.options)[sc._ESTIMATE] is overlap.runtime_estimate_ms
+    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()  # compiled here, not found in a cache
+    assert sorted(is_bw for is_bw, _ in seen) == [False, True]  # forward and backward compiled
+    assert all(hook is overlap.runtime_estimate_ms for _, hook in seen)
+    assert inductor_config.aten_distributed_optimizations.custom_runtime_estimation is None  # restored
+    assert model.weight.grad is not None
+    torch._dynamo.reset()
