@@ -6,9 +6,10 @@ compute node. By default it makes one by running the node on random inputs of it
 for a context-parallel ``doc_packed`` call that runs the ranks' agreement and exchange inside the
 compile, on random ``cu_seqlens``, which fails (measured on one H200, torch 2.11). The pass asks
 a hook first (``custom_runtime_estimation``); :func:`runtime_estimate_ms` is that hook: the step
-model's time for our calls (:func:`shardings.step_model.attention_us` at the node's local shapes,
-on rows of lognormal documents of the call's ``planning_doc_len``: compute, the plan's imbalance and the
-exchange), and for every other node what the pass would have used without a hook.
+model's time for our calls (:func:`shardings.step_model.attention_us` at the node's local
+shapes, on rows of lognormal documents of the call's ``planning_doc_len``: compute, the plan's
+imbalance and the exchange), and for every other node what the pass would have used without a
+hook.
 """
 
 from __future__ import annotations
