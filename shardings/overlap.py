@@ -30,15 +30,20 @@ def _arg(node: torch.fx.Node, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def _attention_ms(node: torch.fx.Node, backward: bool) -> float | None:
+def _attention_ms(node: torch.fx.Node, backward: bool) -> float:
+    """The step model's time of one call; 0 where the node's shapes are not known (never None:
+    the pass would then time the call by running it)."""
     q = node.args[arg_index(node.target, "q")]
     k = node.args[arg_index(node.target, "k")]
     qv = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
     kv = k.meta.get("val") if isinstance(k, torch.fx.Node) else None
     if not isinstance(qv, torch.Tensor) or not isinstance(kv, torch.Tensor):
-        return None
-    rows, local_len, q_heads, head_dim = (int(x) for x in qv.shape)
-    seq_len = int(_arg(node, "seq_len", local_len))
+        return 0.0
+    try:
+        rows, local_len, q_heads, head_dim = (int(x) for x in qv.shape)
+        kv_heads, seq_len = int(kv.shape[2]), int(_arg(node, "seq_len", local_len))
+    except (TypeError, RuntimeError):  # sizes without a value (unbacked symbols)
+        return 0.0
     if local_len == 0 or seq_len == 0:
         return 0.0
     cost = attention_us(
@@ -47,7 +52,7 @@ def _attention_ms(node: torch.fx.Node, backward: bool) -> float | None:
         seq_len=seq_len,
         local_len=local_len,
         q_heads=q_heads,
-        kv_heads=int(kv.shape[2]),
+        kv_heads=kv_heads,
         head_dim=head_dim,
         itemsize=qv.dtype.itemsize,
         causal=bool(_arg(node, "causal", True)),

@@ -61,6 +61,16 @@ def test_our_calls_are_priced_by_the_step_model():
     assert overlap.runtime_estimate_ms(_graph(doc_len=4096)["doc_packed.attn_fwd.default"]) > fwd
 
 
+def test_a_call_without_shapes_is_never_left_to_the_pass():
+    """Without its inputs' fake values the hook still answers for our call (0 ms), so the pass
+    never falls back to running it."""
+    graph = torch.fx.Graph()
+    q, k, v, cu = (graph.placeholder(n) for n in ("q", "k", "v", "cu"))
+    args = (q, k, v, cu, 2 * S, True, -1, -1, D**-0.5, "auto", "g0", 512)
+    node = graph.call_function(torch.ops.doc_packed.attn_fwd.default, args)
+    assert overlap.runtime_estimate_ms(node) == 0.0
+
+
 def test_other_nodes_keep_the_pass_own_estimates(monkeypatch):
     nodes = _graph()
     assert overlap.runtime_estimate_ms(nodes["aten.mm.default"]) is None  # a compute node: the pass times it
