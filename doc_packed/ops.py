@@ -25,6 +25,7 @@ A gradient flowing into ``lse`` (when the caller uses it) is handled by composin
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -40,6 +41,7 @@ __all__ = [
     "FWD_ARGS",
     "MAX_ARGS",
     "arg_index",
+    "node_arg",
     "attn_bwd",
     "attn_fwd",
     "attn_max_logits",
@@ -105,6 +107,13 @@ def arg_index(op: object, name: str) -> int:
     if op in (torch.ops.doc_packed.attn_max_logits, torch.ops.doc_packed.attn_max_logits.default):
         return MAX_ARGS.index(name)
     return BWD_ARGS.index(name)
+
+
+def node_arg(node: Any, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a traced call of one of these ops (an FX node: positional or
+    keyword), ``default`` where the call left it out."""
+    i = arg_index(node.target, name)
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def local_spec(

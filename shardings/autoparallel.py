@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor.placement_types import Shard
 
 from doc_packed import flops
-from doc_packed.ops import arg_index
+from doc_packed.ops import arg_index, node_arg
 
 from ._ap_compat import chosen_decisions, strategy_costs, topology_config
 from ._compat import trace_artifact, unset_fake_temporarily
@@ -55,8 +55,7 @@ _ROLES = {torch.ops.doc_packed.attn_fwd.default: "forward", torch.ops.doc_packed
 
 def _arg(node, name: str):
     """Argument ``name`` of a traced ``doc_packed`` node (positional or keyword)."""
-    i = arg_index(node.target, name)
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, 0 if name == "planning_doc_len" else None)
+    return node_arg(node, name, 0 if name == "planning_doc_len" else None)
 
 
 def _attention_nodes(placement):

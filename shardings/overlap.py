@@ -17,17 +17,12 @@ from __future__ import annotations
 import torch
 
 from doc_packed import flops
-from doc_packed.ops import arg_index
+from doc_packed.ops import arg_index, node_arg
 
 from . import _compat
 from .step_model import Layout, Rates, attention_us
 
 __all__ = ["runtime_estimate_ms"]
-
-
-def _arg(node: torch.fx.Node, name: str, default):
-    i = arg_index(node.target, name)
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def _attention_ms(node: torch.fx.Node, backward: bool) -> float:
@@ -41,7 +36,7 @@ def _attention_ms(node: torch.fx.Node, backward: bool) -> float:
         return 0.0
     try:
         rows, local_len, q_heads, head_dim = (int(x) for x in qv.shape)
-        kv_heads, seq_len = int(kv.shape[2]), int(_arg(node, "seq_len", local_len))
+        kv_heads, seq_len = int(kv.shape[2]), int(node_arg(node, "seq_len", local_len))
     except (TypeError, RuntimeError):  # sizes without a value (unbacked symbols)
         return 0.0
     if local_len == 0 or seq_len == 0:
@@ -55,9 +50,9 @@ def _attention_ms(node: torch.fx.Node, backward: bool) -> float:
         kv_heads=kv_heads,
         head_dim=head_dim,
         itemsize=qv.dtype.itemsize,
-        causal=bool(_arg(node, "causal", True)),
-        window=(int(_arg(node, "window_left", -1)), int(_arg(node, "window_right", -1))),
-        layout=Layout(flops.planned_doc_len(int(_arg(node, "planning_doc_len", 0)), seq_len)),
+        causal=bool(node_arg(node, "causal", True)),
+        window=(int(node_arg(node, "window_left", -1)), int(node_arg(node, "window_right", -1))),
+        layout=Layout(flops.planned_doc_len(int(node_arg(node, "planning_doc_len", 0)), seq_len)),
         backward=backward,
     )
     return cost.total / 1e3

@@ -433,13 +433,6 @@ def _input_nodes(node, placement) -> list:
     return found
 
 
-def _arg(node, name: str, default):
-    from doc_packed.ops import arg_index
-
-    i = arg_index(node.target, name)
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _op_flops(node, spec) -> int:
     """FLOPs of ``node`` at the local shapes ``spec`` gives its inputs (torch's flop formulas)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -584,13 +577,13 @@ def _fused_other_us(others: dict, placement: dict, rates: Rates) -> float:
 
 
 def _price_attention(node, spec, rates, topology, layout, backend, est, backward: bool) -> None:
-    from doc_packed.ops import arg_index
+    from doc_packed.ops import arg_index, node_arg
 
     q_spec = spec.input_specs[arg_index(node.target, "q")]
     k_spec = spec.input_specs[arg_index(node.target, "k")]
     rows, local_len, hq, d = _local_shape(q_spec)
     hkv = _local_shape(k_spec)[2]
-    seq_len = int(_arg(node, "seq_len", q_spec.tensor_meta.shape[1]))
+    seq_len = int(node_arg(node, "seq_len", q_spec.tensor_meta.shape[1]))
     mesh_shape = tuple(q_spec.mesh.shape)
     seq_dims = [i for i, p in enumerate(q_spec.placements) if p.is_shard() and p.dim == 1]
     cost = attention_us(
@@ -602,8 +595,8 @@ def _price_attention(node, spec, rates, topology, layout, backend, est, backward
         kv_heads=hkv,
         head_dim=d,
         itemsize=q_spec.tensor_meta.dtype.itemsize,
-        causal=bool(_arg(node, "causal", True)),
-        window=(int(_arg(node, "window_left", -1)), int(_arg(node, "window_right", -1))),
+        causal=bool(node_arg(node, "causal", True)),
+        window=(int(node_arg(node, "window_left", -1)), int(node_arg(node, "window_right", -1))),
         layout=layout,
         backward=backward,
         backend=backend,
