@@ -96,7 +96,11 @@ def check_int_rows(name: str, rows: object) -> list[list[int]]:
     return out
 
 
-@torch.library.custom_op("doc_packed::argument_error", mutates_args=())
+@torch.library.custom_op(
+    "doc_packed::argument_error",
+    mutates_args=(),
+    tags=tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None),  # raises per call
+)
 def argument_error(like: torch.Tensor, kind: str, message: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Raises ``TypeError``/``ValueError(message)`` when it runs.
 

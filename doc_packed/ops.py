@@ -39,6 +39,7 @@ __all__ = [
     "BWD_ARGS",
     "Call",
     "FWD_ARGS",
+    "HOST_WORK_TAGS",
     "MAX_ARGS",
     "arg_index",
     "node_arg",
@@ -71,6 +72,13 @@ _SHARED: tuple[tuple[str, str, str | None], ...] = (
     ("prefix_lens", "Tensor?", "None"),
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
+# Every call does host work a recorded CUDA graph would skip on replay (reading the layout of
+# cu_seqlens, its per-layout offsets, a context-parallel call's agreement and exchange), so
+# Inductor must run these ops outside its CUDA graphs (graph partitions) or record none:
+# torch.compile(mode="reduce-overhead") then stays correct (tests/test_gpu_cudagraphs.py).
+HOST_WORK_TAGS: tuple[torch.Tag, ...] = tuple(
+    t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None
+)
 BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
 
 
@@ -246,7 +254,7 @@ def backward_impl(dout, q, k, v, out, lse, *args) -> tuple[torch.Tensor, torch.T
     return dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(), dv.view(v.shape).contiguous()
 
 
-@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2))
+@torch.library.custom_op("doc_packed::attn_fwd", mutates_args=(), schema=_schema(FWD_ARGS[:3], 2), tags=HOST_WORK_TAGS)
 def attn_fwd(q, k, v, *args) -> tuple[torch.Tensor, torch.Tensor]:
     return forward_impl(q, k, v, *args)
 
@@ -257,7 +265,7 @@ def _(q, k, v, *args):
     return q.new_empty((B, S, Hq, v.shape[3])), q.new_empty((B, Hq, S), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3))
+@torch.library.custom_op("doc_packed::attn_bwd", mutates_args=(), schema=_schema(BWD_ARGS[:6], 3), tags=HOST_WORK_TAGS)
 def attn_bwd(dout, q, k, v, out, lse, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward_impl(dout, q, k, v, out, lse, *args)
 
@@ -378,6 +386,7 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
         "(Tensor q, Tensor k, Tensor cu_seqlens, int seq_len, bool causal, int window_left, int window_right, "
         "float scale, str? cp_group, float softcap=0.0, Tensor? prefix_lens=None, str backend='auto') -> Tensor"
     ),
+    tags=HOST_WORK_TAGS,
 )
 def attn_max_logits(
     q,
