@@ -298,6 +298,7 @@ def run_mode(
     trace_steps=(),
     call_stats=False,
     overlap_scheduling=None,
+    cuda_graphs=False,
 ):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -335,7 +336,7 @@ def run_mode(
         placed = place(
             model, input_fn, mesh, **io, attention=force, doc_len=mean_doc, gpus_per_host=gpus_per_host, rates=rates,
             cu_seqlens=cu_host, mp_policy=settings.mp_policy(), print_report=rank == 0, compile_backend=compile_backend,
-            overlap_scheduling=overlap_scheduling,
+            overlap_scheduling=overlap_scheduling, cuda_graphs=cuda_graphs,
         )  # fmt: skip
     autop, placement, choices = placed.autop, placed.placement, placed.attention
     in_pl = solved_input_placements(autop, placement)
@@ -937,6 +938,7 @@ def worker(rank, world, port, args):
                 trace_steps=args.trace_steps,
                 call_stats=args.call_stats,
                 overlap_scheduling=True if args.overlap else None,
+                cuda_graphs=args.cuda_graphs,
             )
         except Exception as e:  # report on every rank; go on with the next mode if every rank failed
             import traceback
@@ -1128,6 +1130,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="compile_placed(overlap_scheduling=True): the Inductor fallback also runs torch's "
         "communication/compute overlap pass (AutoParallel's backend runs it on GPUs anyway)",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="compile_placed(cuda_graphs=True): the placed module's graphs recorded as CUDA graphs between "
+        "doc_packed's calls (Inductor path; the anchor stays a default compile)",
     )
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the one-GPU plain model run")

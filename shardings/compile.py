@@ -118,6 +118,11 @@ INDUCTOR_OVERLAP: dict[str, Any] = {
 }
 
 
+# CUDA graphs with graph partitions: Inductor records every stretch of kernels between ops
+# tagged cudagraph_unsafe (doc_packed's calls) and replays it
+_CUDA_GRAPHS: dict[str, Any] = {"triton.cudagraphs": True, "graph_partition": True}
+
+
 def _estimated(compile_fn):
     """AutoParallel's backend with the overlap pass's hook set (it takes no Inductor options) for
     the forward and the backward graph: the backward is compiled with the forward, inside the
@@ -154,6 +159,7 @@ def compile_placed(
     activation_checkpointing: bool = False,
     overlap_scheduling: bool | None = None,
     fullgraph: bool = True,
+    cuda_graphs: bool = False,
 ) -> tuple[torch.nn.Module, CompileChoice]:
     """Compile a module returned by ``autop.apply_placement``; return it and the choice made.
 
@@ -171,6 +177,12 @@ def compile_placed(
             fallback: default off; True turns on torch's pass on GPU meshes where this torch has
             it (:data:`INDUCTOR_OVERLAP`), and the choice says which settings were applied.
         fullgraph: passed to ``torch.compile``: a graph break raises instead of splitting.
+        cuda_graphs: Inductor path only: record the compiled graphs' kernels and collectives as
+            CUDA graphs and replay them (``triton.cudagraphs`` with graph partitions), so a step
+            costs the host one replay per partition instead of a launch per kernel.
+            ``doc_packed``'s calls run between the partitions, every call, as without it (their
+            ops are tagged ``cudagraph_unsafe``). Needs a GPU mesh; raises ValueError otherwise,
+            or with ``backend="autoparallel"``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -179,11 +191,22 @@ def compile_placed(
     blocker = autoparallel_backend_blocker()
     if backend == "autoparallel" and blocker is not None:
         raise RuntimeError(f"backend='autoparallel' cannot run: {blocker}; use 'inductor'")
-    if backend == "inductor" or blocker is not None:
-        reason = "asked for" if backend == "inductor" else f"fallback: {blocker}"
+    if cuda_graphs and _on_cpu(module):
+        raise ValueError("cuda_graphs=True needs a GPU mesh: the placed module's parameters are on the CPU")
+    if cuda_graphs and backend == "autoparallel":
+        raise ValueError("cuda_graphs=True runs on the Inductor path only: pass backend='inductor'")
+    if backend == "inductor" or blocker is not None or cuda_graphs:
+        if backend == "inductor":
+            reason = "asked for"
+        elif blocker is not None:
+            reason = f"fallback: {blocker}"
+        else:
+            reason = "cuda_graphs=True: AutoParallel's backend takes no CUDA-graph setting"
         patches, why_not = _inductor_overlap(module) if overlap_scheduling else ({}, "")
         if why_not:
             reason += f"; overlap scheduling off ({why_not})"
+        if cuda_graphs:
+            patches.update(_CUDA_GRAPHS)
         compiled = torch.compile(module, fullgraph=fullgraph, options=dict(patches) or None)
         return _compiled(compiled), CompileChoice("inductor", reason, tuple(patches.items()))
     from autoparallel.compile import autoparallel_backend

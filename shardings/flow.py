@@ -94,6 +94,7 @@ def place(
     apply: bool = True,
     compile_backend: str = "auto",
     overlap_scheduling: bool | None = None,
+    cuda_graphs: bool = False,
     progress: Callable[[str], AbstractContextManager[object]] | None = None,
 ) -> PlacedModel:
     """Place ``model`` on ``mesh`` with AutoParallel and return the module to run.
@@ -130,6 +131,7 @@ def place(
             ``"autoparallel"``, ``"inductor"``, ``"eager"``). Compilation is lazy: the first
             call of ``module`` compiles, after the weights are in place.
         overlap_scheduling: :func:`~shardings.compile.compile_placed`'s (None: its default).
+        cuda_graphs: :func:`~shardings.compile.compile_placed`'s (Inductor path, GPU meshes).
         progress: called with ``"trace"``, ``"solve"`` and ``"apply"``; each returned context
             manager wraps that stage (e.g. to print its time).
 
@@ -175,5 +177,7 @@ def place(
                 parallel = autop.apply_placement(placement)
     if parallel is None:
         return PlacedModel(None, None, None, choices, autop, placement)
-    module, how = compile_placed(parallel, compile_backend, overlap_scheduling=overlap_scheduling)
+    module, how = compile_placed(
+        parallel, compile_backend, overlap_scheduling=overlap_scheduling, cuda_graphs=cuda_graphs
+    )
     return PlacedModel(module, parallel, how, choices, autop, placement)

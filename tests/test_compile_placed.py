@@ -120,3 +120,36 @@ def test_autoparallel_backend_gets_the_overlap_hook_for_forward_and_backward(mon
     assert inductor_config.aten_distributed_optimizations.custom_runtime_estimation is None  # restored
     assert model.weight.grad is not None
     torch._dynamo.reset()
+
+
+def test_cuda_graphs_on_the_inductor_path_of_gpu_meshes_only(monkeypatch):
+    """cuda_graphs=True passes Inductor's CUDA-graph settings (with graph partitions around
+    doc_packed's calls), with or without overlap scheduling, also where AutoParallel's backend
+    could run; it refuses a CPU mesh and a forced AutoParallel backend before compiling."""
+    model = torch.nn.Linear(4, 4)
+    seen: list = []
+    real_compile = torch.compile
+
+    def spy(module, **kwargs):
+        seen.append(kwargs.get("options"))
+        return real_compile(module, **kwargs)
+
+    monkeypatch.setattr(sc.torch, "compile", spy)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a GPU mesh"):
+        sc.compile_placed(model, "inductor", cuda_graphs=True)  # CPU parameters
+    assert seen == []
+    monkeypatch.setattr(sc, "_on_cpu", lambda module: False)  # as on a GPU mesh
+    with pytest.raises(ValueError, match="Inductor path only"):
+        sc.compile_placed(model, "autoparallel", cuda_graphs=True)
+    assert seen == []
+    graphs = {"triton.cudagraphs": True, "graph_partition": True}
+    _, choice = sc.compile_placed(model, "inductor", cuda_graphs=True)
+    assert seen[-1] == graphs and dict(choice.options) == graphs and choice.reason == "asked for"
+    _, choice = sc.compile_placed(model, "inductor", cuda_graphs=True, overlap_scheduling=True)
+    assert seen[-1] == {**sc.INDUCTOR_OVERLAP, **graphs}
+    monkeypatch.setattr(sc, "autoparallel_backend_blocker", lambda: None)  # AutoParallel's backend runs
+    _, choice = sc.compile_placed(model, "auto", cuda_graphs=True)
+    assert choice.backend == "inductor" and "takes no CUDA-graph setting" in choice.reason
+    assert seen[-1] == graphs
+    for key in graphs:
+        assert key in sc._compat.inductor_settings(), key
