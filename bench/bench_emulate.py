@@ -164,15 +164,79 @@ def profile_step(step, cu, device) -> dict:
                 busy=round(busy / 1e3 / (wall * 1e3), 3) if wall > 0 else None)
 
 
+BACKWARD_THREADS = [True]  # --autograd-threads: False runs each backward on the calling thread
+PHASES: list[tuple[float, float, float]] = []  # host seconds of each step's forward, loss + backward, optimizer
+
+
 def train_step_fn(model, tokens, targets, opt):
     def step(cu):
+        t0 = time.perf_counter()
         logits = model(tokens, cu)
+        t1 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(BACKWARD_THREADS[0]):
+            loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        PHASES.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     return step
+
+
+def host_phases_ms(since: int) -> dict:
+    """Median host ms of the steps recorded since ``PHASES[since]``: forward, loss + backward
+    (returns once the backward is queued), optimizer, and their sum."""
+    got = PHASES[since:]
+    if not got:
+        return {}
+    med = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 2)  # noqa: E731
+    return dict(forward=med([g[0] for g in got]), backward=med([g[1] for g in got]),
+                optimizer=med([g[2] for g in got]), total=med([sum(g) for g in got]))
+
+
+def time_both_threads(step, cus, device, warmup: int, rounds: int) -> dict:
+    """``--autograd-threads both``: best mean ms per step over ``rounds`` with autograd's device
+    thread (default) and with every backward on the calling thread, alternating; with host phases."""
+    out = {}
+    for _ in range(rounds):
+        for on in (True, False):
+            BACKWARD_THREADS[0] = on
+            since = len(PHASES)
+            ms = 1e3 * time_steps(step, cus, device, warmup)
+            key = "threads_on" if on else "threads_off"
+            if key not in out or ms < out[key]["ms"]:
+                out[key] = dict(ms=round(ms, 2), host=host_phases_ms(since + warmup))
+    BACKWARD_THREADS[0] = True
+    return out
+
+
+def plain_both_threads(cfg, S, docs, device, dtype, args) -> dict:
+    """The plain model compiled on one row, timed as :func:`time_both_threads` does."""
+    torch.manual_seed(0)
+    model = Transformer(**cfg).to(device=device, dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    targets = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    step = train_step_fn(torch.compile(model, fullgraph=True), tokens, targets, opt)
+    out = time_both_threads(step, make_layouts(args.warmup + args.steps, 1, S, docs, device), device, args.warmup,
+                            args.rounds)
+    del model, opt, step
+    return out
+
+
+def _print_host_profile(step, cu, device, top: int, title: str) -> None:
+    """torch.profiler's CPU table (self time, ``top`` rows) of two steps, the device drained after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(cu)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step(cu)
+        sync(device)
+    print(f"\n### host profile, 2 steps: {title}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
@@ -200,7 +264,7 @@ def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
     return out
 
 
-def place(layout, world, cfg, B, S, device, dtype, compile_backend, overlap_scheduling=None):
+def place(layout, world, cfg, B, S, device, dtype, compile_backend, overlap_scheduling=None, cuda_graphs=False):
     """AutoParallel plans the model for the layout's mesh (attention forced to the layout);
     returns (placed module, its compiled form, the compile choice, mesh, token placements)."""
     from autoparallel.cost_models.compute_estimation import reset_compute_cost_cache
@@ -228,7 +292,7 @@ def place(layout, world, cfg, B, S, device, dtype, compile_backend, overlap_sche
     with device_name_for_cost_model():
         placed = flow.place(model, input_fn, mesh, inputs=[tok_pl, cu_pl], outputs=[tok_pl], attention=force,
                             doc_len=2048, gpus_per_host=None, describe=False, compile_backend=compile_backend,
-                            overlap_scheduling=overlap_scheduling)
+                            overlap_scheduling=overlap_scheduling, cuda_graphs=cuda_graphs)
     parallel = placed.parallel
     parallel.to_empty(device=device)
     with torch.no_grad():
@@ -253,7 +317,7 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
     B = dp_size  # one row per data-parallel rank
     t0 = time.perf_counter()
     parallel, compiled, choice, mesh, tok_pl = place(
-        layout, world, cfg, B, S, device, dtype, args.compile, True if args.overlap else None
+        layout, world, cfg, B, S, device, dtype, args.compile, True if args.overlap else None, args.cuda_graphs
     )
     plan_s = time.perf_counter() - t0
     tokens = torch.randint(0, cfg["vocab"], (B, S), device=device)
@@ -279,10 +343,17 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
             res["first_step_s"] = time.perf_counter() - t0  # compiles, on the first kind
             # a new layout every step vs one layout reused, in alternating rounds (best of each)
             new, same = [], []
+            since = len(PHASES)
             for _ in range(args.rounds):
                 new.append(1e3 * time_steps(step, cus[1:], device, args.warmup - 1))
                 same.append(1e3 * time_steps(step, [cus[1]] * (n - 1), device, 1))
             res["compiled_ms"], res["compiled_same_layout_ms"] = min(new), min(same)
+            res["host_ms"] = host_phases_ms(since)
+            if args.autograd_threads == "both":
+                res["backward_threads"] = time_both_threads(step, cus[1:], device, args.warmup - 1, args.rounds)
+                res["plain_backward_threads"] = plain_both_threads(cfg, S, docs, device, dtype, args)
+            if args.host_profile:
+                _print_host_profile(step, cus[-1], device, args.host_profile, f"{layout} S={S} {docs}")
             res["new_layout_ms"] = res["compiled_ms"] - res["compiled_same_layout_ms"]
             res.update(profile_step(step, cus[-1], device))
             row = plain[docs]
@@ -315,12 +386,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per variant; the best is kept")
     ap.add_argument("--compile", default="auto", help="compile_placed backend")
     ap.add_argument("--overlap", action="store_true", help="compile_placed(overlap_scheduling=True)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="compile_placed(cuda_graphs=True)")
     ap.add_argument("--one-doc-max", type=int, default=32768, help="one-document rows only up to this S")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--skip-eager", action="store_true", help="skip the eager placed module")
+    ap.add_argument(
+        "--autograd-threads",
+        choices=["on", "off", "both"],
+        default="on",
+        help="off: every backward (anchor's and placed module's) on the calling thread, "
+        "torch.autograd.set_multithreading_enabled(False), instead of autograd's device thread; "
+        "both: the compiled steps timed both ways in one run (alternating rounds)",
+    )
+    ap.add_argument("--host-profile", type=int, default=0, help="print torch.profiler's top N host ops of 2 placed steps")
     ap.add_argument("--json", default=None)
     add_dry_run(ap, "a 2-layer model of width 64 on CPU, float32 (pass small sizes too: --seq 256 ...)")
     args = ap.parse_args(argv)
+    BACKWARD_THREADS[0] = args.autograd_threads != "off"
     patch_autoparallel_for_torch()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -370,6 +452,19 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['plain_row']['eager_ms']:.1f} / {r['plain_row']['compiled_ms']:.1f} | {eager} | "
               f"{r['compiled_ms']:.1f} | {r['eff_vs_plain_eager']:.2f} | {r['eff_vs_plain_compiled']:.2f} | {r['mfu']:.2f} | "
               f"{r['new_layout_ms']:+.1f} | {r.get('busy', '-')} | {ks} |")
+    both = [r for r in rows if "backward_threads" in r]
+    if both:
+        print("\nbackward on autograd's device thread (on) or the calling thread (off): ms per step "
+              "(host ms: forward / loss + backward / optimizer)")
+        print("| S | docs | layout | placed on | placed off | off / on | plain row on | plain row off | off / on |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in both:
+            p, q = r["backward_threads"], r["plain_backward_threads"]
+            h = lambda x: " / ".join(f"{x['host'].get(k, 0):.1f}" for k in ("forward", "backward", "optimizer"))  # noqa: E731
+            print(f"| {r['S']} | {r['docs']} | {r['layout']} | {p['threads_on']['ms']:.1f} ({h(p['threads_on'])}) | "
+                  f"{p['threads_off']['ms']:.1f} ({h(p['threads_off'])}) | {p['threads_off']['ms'] / p['threads_on']['ms']:.3f} | "
+                  f"{q['threads_on']['ms']:.1f} ({h(q['threads_on'])}) | {q['threads_off']['ms']:.1f} ({h(q['threads_off'])}) | "
+                  f"{q['threads_off']['ms'] / q['threads_on']['ms']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--packing", default="greedy", choices=["greedy", "cp"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--heads", default="32,8", help="query,key/value heads of the rank (cp_tp at tp 2: 8,2)")
     ap.add_argument("--autograd", action="store_true", help="compare with the same rank through autograd")
     ap.add_argument(
         "--autograd-threads",
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     add_dry_run(ap)
     args = ap.parse_args(argv)
     emu.ARGS = emu._parser().parse_args(["--packing", args.packing])
-    S, c, Hq, Hkv, D = args.seq, args.cp, 32, 8, 128
+    S, c, D = args.seq, args.cp, 128
+    Hq, Hkv = (int(h) for h in args.heads.split(","))
     if args.dry_run:
         emu.DEVICE, emu.DTYPE = "cpu", torch.float32
         S, c, Hq, Hkv, D, args.layout, args.iters, args.top = 512, 2, 4, 2, 16, "lognormal 512", 2, 5
@@ -114,6 +116,55 @@ def main(argv: list[str] | None = None) -> None:
     pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
 
 
+def _split_passes(lq, lk, lv, ld, call, iters: int) -> None:
+    """Host microseconds until each pass returns (device drained before and after), forward and
+    backward apart: the runtime called directly, the eager path's ``autograd.Function`` and the
+    op's autograd, each backward on autograd's device thread and on the calling thread."""
+    from doc_packed import _eager
+
+    dev = emu.DEVICE
+
+    def leaves():
+        return tuple(t.detach().requires_grad_() for t in (lq, lk, lv))
+
+    def fwd(entry, qq, kk, vv):
+        if entry == "direct":
+            return cp_attention.forward(qq, kk, vv, call)
+        if entry == "eager":
+            return _eager.attention(qq, kk, vv, call)
+        return torch.ops.doc_packed.attn_fwd(qq, kk, vv, *call)
+
+    def bwd(entry, threads, qq, kk, vv, out, lse):
+        if entry == "direct":
+            return cp_attention.backward(ld, qq, kk, vv, out, lse, call)
+        with torch.autograd.set_multithreading_enabled(threads):
+            torch.autograd.backward(out, ld)
+
+    def host_us(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        sync(dev)
+        return t * 1e6
+
+    print(f"\nhost us until each pass returns, median of {iters} (device drained around each)")
+    print("| entry | backward thread | forward | backward |\n|---|---|---|---|")
+    for entry, threads in (("direct", True), ("eager", True), ("eager", False), ("op", True), ("op", False)):
+        f_us, b_us = [], []
+        for i in range(iters + 3):
+            qq, kk, vv = leaves() if entry != "direct" else (lq, lk, lv)
+            got: list = []
+            tf = host_us(lambda: got.extend(fwd(entry, qq, kk, vv)))
+            tb = host_us(lambda: bwd(entry, threads, qq, kk, vv, *got))
+            if i >= 3:
+                f_us.append(tf)
+                b_us.append(tb)
+        med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+        where = "-" if entry == "direct" else ("device thread" if threads else "calling thread")
+        print(f"| {entry} | {where} | {med(f_us):.0f} | {med(b_us):.0f} |")
+
+
 def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,6 +186,7 @@ def _compare_autograd(direct, q, k, v, dout, cu, S, c, rank, scale, args):
         return run
 
     modes = {"direct": direct, "autograd (op)": through("op"), "autograd (eager)": through("eager")}
+    _split_passes(lq, lk, lv, ld, call, args.iters)
     if args.autograd_threads == "off":  # the same, each backward on this thread instead of the device's
 
         def calling_thread(fn):
