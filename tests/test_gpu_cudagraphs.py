@@ -7,7 +7,8 @@ new ``cu_seqlens`` values would silently run the recorded layout. The ops carry
 ``torch.Tag.cudagraph_unsafe``: Inductor runs them outside the recorded graphs (graph
 partitions) or does not record the graph. Checked here: a compiled function fed a new layout
 at every call, recorded and replayed, gives the eager answers (out and gradients), against
-the float64 oracle's tolerances of tests/test_gpu.py.
+the float64 oracle's tolerances of tests/test_gpu.py, and the op receives the caller's
+``cu_seqlens`` (found by identity, read back once), not a graph's copy of it.
 
 Run: ``pytest -q -m gpu tests/test_gpu_cudagraphs.py``.
 """
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import doc_packed as dp
+from doc_packed import _doc_layout
 from doc_packed_testing.gpu_parity import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -52,6 +54,7 @@ def test_compiled_with_new_layout_each_call_matches_eager(mode):
     compiled = torch.compile(_layer, mode=mode, fullgraph=True)
     for i in range(8):
         cu = _cu(LAYOUTS[i % len(LAYOUTS)])
+        reads = _doc_layout.device_reads()
         xs = x.detach().clone().requires_grad_()
         ws = [t.detach().clone().requires_grad_() for t in w]
         got = compiled(xs, ws, cu)
@@ -63,6 +66,9 @@ def test_compiled_with_new_layout_each_call_matches_eager(mode):
         ref = _layer(xr, wr, cu)
         ref.backward(dout)
         assert rel(got.float(), ref.float()) <= 1e-2, (i, LAYOUTS[i % len(LAYOUTS)])
+        # the compiled call read the new tensor once; its backward and the eager call found it by
+        # identity: the calls between the recorded graphs get the caller's cu_seqlens, not a copy
+        assert _doc_layout.device_reads() - reads == 1, i
         for j, (g, r) in enumerate(zip(got_grads, [xr.grad, *(t.grad for t in wr)])):
             assert rel(g.float(), r.float()) <= 2e-2, (i, j)
 
