@@ -99,7 +99,7 @@ def check_int_rows(name: str, rows: object) -> list[list[int]]:
 @torch.library.custom_op(
     "doc_packed::argument_error",
     mutates_args=(),
-    tags=tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None),  # raises per call
+    tags=(torch.Tag.cudagraph_unsafe,),  # it must raise at every call, never be replayed
 )
 def argument_error(like: torch.Tensor, kind: str, message: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Raises ``TypeError``/``ValueError(message)`` when it runs.

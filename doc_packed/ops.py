@@ -72,14 +72,13 @@ _SHARED: tuple[tuple[str, str, str | None], ...] = (
     ("prefix_lens", "Tensor?", "None"),
 )
 FWD_ARGS: tuple[str, ...] = ("q", "k", "v", *(n for n, _, _ in _SHARED))
+BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
+
 # Every call does host work a recorded CUDA graph would skip on replay (reading the layout of
 # cu_seqlens, its per-layout offsets, a context-parallel call's agreement and exchange), so
-# Inductor must run these ops outside its CUDA graphs (graph partitions) or record none:
+# Inductor must run these ops between its CUDA graphs (graph partitions) or record none:
 # torch.compile(mode="reduce-overhead") then stays correct (tests/test_gpu_cudagraphs.py).
-HOST_WORK_TAGS: tuple[torch.Tag, ...] = tuple(
-    t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None
-)
-BWD_ARGS: tuple[str, ...] = ("dout", "q", "k", "v", "out", "lse", *(n for n, _, _ in _SHARED))
+HOST_WORK_TAGS: tuple[torch.Tag, ...] = (torch.Tag.cudagraph_unsafe,)
 
 
 assert tuple(Call.__annotations__) == tuple(n for n, _, _ in _SHARED), "Call and the schema list the same arguments"

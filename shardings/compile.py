@@ -182,10 +182,12 @@ def compile_placed(
             costs the host one replay per partition instead of a launch per kernel.
             ``doc_packed``'s calls run between the partitions, every call, as without it (their
             ops are tagged ``cudagraph_unsafe``). Needs a GPU mesh; raises ValueError otherwise,
-            or with ``backend="autoparallel"``.
+            or with ``backend="autoparallel"`` or ``"eager"``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if cuda_graphs and backend == "eager":
+        raise ValueError("cuda_graphs=True needs a compiled module: pass backend='inductor'")
     if backend == "eager":
         return module, CompileChoice("eager", "asked for: AutoParallel's FX-interpreter runner, slow, for debugging")
     blocker = autoparallel_backend_blocker()

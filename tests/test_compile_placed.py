@@ -141,6 +141,8 @@ def test_cuda_graphs_on_the_inductor_path_of_gpu_meshes_only(monkeypatch):
     monkeypatch.setattr(sc, "_on_cpu", lambda module: False)  # as on a GPU mesh
     with pytest.raises(ValueError, match="Inductor path only"):
         sc.compile_placed(model, "autoparallel", cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs a compiled module"):
+        sc.compile_placed(model, "eager", cuda_graphs=True)
     assert seen == []
     graphs = {"triton.cudagraphs": True, "graph_partition": True}
     _, choice = sc.compile_placed(model, "inductor", cuda_graphs=True)
