@@ -186,17 +186,18 @@ def compile_placed(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if cuda_graphs and backend == "eager":
-        raise ValueError("cuda_graphs=True needs a compiled module: pass backend='inductor'")
+    if cuda_graphs:
+        if backend == "eager":
+            raise ValueError("cuda_graphs=True needs a compiled module: pass backend='inductor'")
+        if backend == "autoparallel":
+            raise ValueError("cuda_graphs=True runs on the Inductor path only: pass backend='inductor'")
+        if _on_cpu(module):
+            raise ValueError("cuda_graphs=True needs a GPU mesh: the placed module's parameters are on the CPU")
     if backend == "eager":
         return module, CompileChoice("eager", "asked for: AutoParallel's FX-interpreter runner, slow, for debugging")
     blocker = autoparallel_backend_blocker()
     if backend == "autoparallel" and blocker is not None:
         raise RuntimeError(f"backend='autoparallel' cannot run: {blocker}; use 'inductor'")
-    if cuda_graphs and _on_cpu(module):
-        raise ValueError("cuda_graphs=True needs a GPU mesh: the placed module's parameters are on the CPU")
-    if cuda_graphs and backend == "autoparallel":
-        raise ValueError("cuda_graphs=True runs on the Inductor path only: pass backend='inductor'")
     if backend == "inductor" or blocker is not None or cuda_graphs:
         if backend == "inductor":
             reason = "asked for"
