@@ -11,7 +11,9 @@ Usage: ``python -m bench.profile_cp_rank --seq 131072 --cp 8 --layout "lognormal
 ``--autograd`` also times the same rank through autograd (fresh leaves, ``attn_fwd`` with its
 autograd or the eager path's ``autograd.Function``, then ``torch.autograd.backward``) beside the
 direct calls, and prints torch.profiler's CPU and CUDA self time per op for both, so that what
-autograd adds (bench_cp_emulate's timing goes through it) shows op by op.
+autograd adds (bench_cp_emulate's timing goes through it) shows op by op, and each pass's host
+time apart (forward, then backward on autograd's device thread and on the calling thread).
+``--heads Hq,Hkv``: the rank's heads (cp_tp's rank at tp 2 of 16/4: ``8,2``).
 """
 
 from __future__ import annotations
