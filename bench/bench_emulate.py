@@ -211,13 +211,19 @@ def time_both_threads(step, cus, device, warmup: int, rounds: int) -> dict:
     return out
 
 
-def plain_both_threads(cfg, S, docs, device, dtype, args) -> dict:
-    """The plain model compiled on one row, timed as :func:`time_both_threads` does."""
+def _plain_model(cfg, S, device, dtype):
+    """The plain model (seed 0), its SGD and one row ``[1, S]`` of tokens and targets."""
     torch.manual_seed(0)
     model = Transformer(**cfg).to(device=device, dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, cfg["vocab"], (1, S), device=device)
     targets = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    return model, opt, tokens, targets
+
+
+def plain_both_threads(cfg, S, docs, device, dtype, args) -> dict:
+    """The plain model compiled on one row, timed as :func:`time_both_threads` does."""
+    model, opt, tokens, targets = _plain_model(cfg, S, device, dtype)
     step = train_step_fn(torch.compile(model, fullgraph=True), tokens, targets, opt)
     out = time_both_threads(step, make_layouts(args.warmup + args.steps, 1, S, docs, device), device, args.warmup,
                             args.rounds)
@@ -242,11 +248,7 @@ def _print_host_profile(step, cu, device, top: int, title: str) -> None:
 def plain_runs(cfg, S, docs_kinds, device, dtype, args) -> dict:
     """The plain model (no AutoParallel) on this device, one row ``[1, S]``: eager and compiled ms
     per step for each document kind, and the model FLOPs of a step."""
-    torch.manual_seed(0)
-    model = Transformer(**cfg).to(device=device, dtype=dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, cfg["vocab"], (1, S), device=device)
-    targets = torch.randint(0, cfg["vocab"], (1, S), device=device)
+    model, opt, tokens, targets = _plain_model(cfg, S, device, dtype)
     compiled = torch.compile(model, fullgraph=True)
     out = {}
     for docs in docs_kinds:

@@ -50,11 +50,9 @@ def test_place_rejects_bad_arguments_before_tracing():
         place(model, lambda: (torch.zeros(1, 4),), mesh, gpus_per_host=None, rates="rates.json")
 
 
-def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
-    """The Inductor fallback compiles without overlap scheduling unless asked; asked, it passes
-    torch's overlap settings to torch.compile on a GPU mesh, and says why not on a CPU one or on a
-    torch without them."""
-    model = torch.nn.Linear(4, 4)
+def _spy_on_compile(monkeypatch) -> list:
+    """Make ``torch.compile`` (as shardings.compile calls it) record the Inductor options of each
+    call, in the returned list, and compile as before."""
     seen: list = []
     real_compile = torch.compile
 
@@ -63,6 +61,15 @@ def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
         return real_compile(module, **kwargs)
 
     monkeypatch.setattr(sc.torch, "compile", spy)
+    return seen
+
+
+def test_inductor_overlap_scheduling_only_where_asked_and_possible(monkeypatch):
+    """The Inductor fallback compiles without overlap scheduling unless asked; asked, it passes
+    torch's overlap settings to torch.compile on a GPU mesh, and says why not on a CPU one or on a
+    torch without them."""
+    model = torch.nn.Linear(4, 4)
+    seen = _spy_on_compile(monkeypatch)
     _, choice = sc.compile_placed(model, "inductor")
     assert seen[-1] is None and choice.options == ()
     _, choice = sc.compile_placed(model, "inductor", overlap_scheduling=True)  # CPU parameters
@@ -127,14 +134,7 @@ def test_cuda_graphs_on_the_inductor_path_of_gpu_meshes_only(monkeypatch):
     doc_packed's calls), with or without overlap scheduling, also where AutoParallel's backend
     could run; it refuses a CPU mesh and a forced AutoParallel backend before compiling."""
     model = torch.nn.Linear(4, 4)
-    seen: list = []
-    real_compile = torch.compile
-
-    def spy(module, **kwargs):
-        seen.append(kwargs.get("options"))
-        return real_compile(module, **kwargs)
-
-    monkeypatch.setattr(sc.torch, "compile", spy)
+    seen = _spy_on_compile(monkeypatch)
     with pytest.raises(ValueError, match="cuda_graphs=True needs a GPU mesh"):
         sc.compile_placed(model, "inductor", cuda_graphs=True)  # CPU parameters
     assert seen == []
