@@ -11,7 +11,12 @@ back-pressure in these timings). Two runs of ``--steps`` steps each, in turn (``
 
 - ``new``: a new layout every step (what training pays);
 - ``reused``: one layout every step, so each pass's first call of a step finds its layout known
-  (the anchor: everything a step's first call costs except the new layout).
+  (the anchor: everything a step's first call costs except the new layout);
+- ``fa4``: the same steps through FA4's own entry points (``_flash_attn_fwd`` / ``_flash_attn_bwd``
+  in an autograd function, a new layout of this rank's chunk every step, no context parallelism;
+  on CPU, the dry run, the package's math kernel stands in): how much slower the first call of a
+  step is when none of our code runs, i.e. what any call launched from Python pays for coming
+  after the step's other work.
 
 Per call: host wall and thread-CPU microseconds, medians. The ratio that answers the question is
 the first call of a step with a new layout over the first call with the layout reused; a later
@@ -74,6 +79,15 @@ class _Timed:
     def __exit__(self, *exc):
         self._wrapped.__exit__(*exc)
 
+    def timed(self, name: str, fn, *args):
+        """``fn(*args)`` timed as the next call of pass ``name`` (the anchor's calls)."""
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        result = fn(*args)
+        wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+        self.calls.append(_Call(self.run, name, self.position[name], wall / 1e3, cpu / 1e3))
+        self.position[name] += 1
+        return result
+
     def _wrap(self, name, fn):
         def call(*args):
             firsts = attention.call_host_times()["first"][0]
@@ -97,23 +111,84 @@ class _Timed:
         return call
 
 
+def _anchor_passes(device: torch.device):
+    """(forward, backward) of the anchor on a flat chunk with offsets ``cu`` (device int32) and
+    longest segment ``T``: FA4's own entry points on CUDA; the package's math kernel on CPU."""
+    scale = D**-0.5
+    if device.type == "cuda":
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+        def keywords(cu, T):
+            return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T, softmax_scale=scale,
+                        causal=True, window_size_left=None, window_size_right=None)  # fmt: skip
+
+        def fwd(q, k, v, cu, T):
+            return _flash_attn_fwd(q, k, v, return_lse=True, **keywords(cu, T))[:2]
+
+        def bwd(dout, q, k, v, out, lse, cu, T):
+            return _flash_attn_bwd(q, k, v, out, dout, lse, **keywords(cu, T))[:3]
+
+        return fwd, bwd
+    from doc_packed import kernels
+
+    spec = lambda cu: kernels.VarlenSpec(cu.tolist(), cu.tolist(), True, -1, 0)  # noqa: E731
+    fwd = lambda q, k, v, cu, T: kernels.forward(spec(cu), q, k, v, scale, "auto")  # noqa: E731
+    bwd = lambda dout, q, k, v, out, lse, cu, T: kernels.backward(spec(cu), dout, q, k, v, out, lse, scale, "auto")  # noqa: E731
+    return fwd, bwd
+
+
+class _Anchor(torch.autograd.Function):
+    """One anchor layer: its forward and backward calls timed as the CP op's are (the backward
+    on autograd's thread, as the op's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, T, passes, timed):
+        out, lse = timed.timed("forward", passes[0], q, k, v, cu, T)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.T, ctx.passes, ctx.timed = T, passes, timed
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = ctx.timed.timed("backward", ctx.passes[1], dout.contiguous(), q, k, v, out, lse, cu, ctx.T)
+        return dq, dk, dv, None, None, None, None
+
+
 def _steps(
     timed: _Timed, run: str, n: int, B: int, S: int, c: int, layers: int, layouts, device, dtype, collect: bool = False
 ) -> None:
     """``n`` steps of ``layers`` attention layers on this emulated rank's chunk, each step's
     layout prepared while the step before runs; ``layouts()`` gives the next layout. ``collect``:
-    one ``gc.collect(1)`` after each step (the automatic collector off, as torchtitan runs it)."""
+    one ``gc.collect(1)`` after each step (the automatic collector off, as torchtitan runs it).
+    Run ``fa4``: the anchor's layers instead, on the chunk's own documents (rows joined)."""
     timed.run = run
     scale = D**-0.5
-    ready = cp.prepare(layouts(), emu.GROUP, num_heads=(HQ, HKV), device=device)
+    anchor = _anchor_passes(device) if run == "fa4" else None
+    rng = random.Random(n)
+
+    def next_layout():
+        if anchor is None:
+            return cp.prepare(layouts(), emu.GROUP, num_heads=(HQ, HKV), device=device)
+        T, cu = S // c, [0]
+        for _ in range(B):  # each row of the chunk: new lognormal documents, the rows joined
+            for x in dp.data.lognormal_lengths(T, min(2048, T // 4), rng):
+                cu.append(cu[-1] + x)
+        return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+
+    ready = next_layout()
     for _ in range(n):
         timed.position.clear()
         x = torch.randn(B, S // c, HQ, D, device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(B, S // c, HKV, D, device=device, dtype=dtype) for _ in range(2))
         h = x
         for _ in range(layers):
-            h, _ = torch.ops.doc_packed.attn_fwd(h, k, v, ready, S, True, -1, 0, scale, "auto", emu.GROUP)
-        ready = cp.prepare(layouts(), emu.GROUP, num_heads=(HQ, HKV), device=device)  # the next step's
+            if anchor is None:
+                h, _ = torch.ops.doc_packed.attn_fwd(h, k, v, ready, S, True, -1, 0, scale, "auto", emu.GROUP)
+            else:
+                flat = lambda t: t.view(B * (S // c), *t.shape[2:])  # noqa: E731
+                h = _Anchor.apply(flat(h), flat(k), flat(v), ready, S // c, anchor, timed).view(B, S // c, HQ, D)
+        ready = next_layout()  # the next step's
         h.float().sum().backward()
         sync(device)
         if collect:
@@ -139,6 +214,7 @@ def measure(B: int, S: int, c: int, rank: int, args, device, dtype) -> tuple[lis
     manual = args.gc == "manual"
     with _Timed() as timed:
         _steps(timed, "warm-up", args.warmup, *dims, new, device, dtype)
+        _steps(timed, "fa4", args.warmup, *dims, new, device, dtype)  # the anchor's kernels built
         timed.calls.clear()
         if manual:
             gc.collect()
@@ -148,6 +224,7 @@ def measure(B: int, S: int, c: int, rank: int, args, device, dtype) -> tuple[lis
             for _ in range(args.rounds):
                 _steps(timed, "new", args.steps, *dims, new, device, dtype, manual)
                 _steps(timed, "reused", args.steps, *dims, lambda: fixed, device, dtype, manual)
+                _steps(timed, "fa4", args.steps, *dims, new, device, dtype, manual)
             lines = []
             if args.profile:
                 timed.profile = True
@@ -163,7 +240,7 @@ def measure(B: int, S: int, c: int, rank: int, args, device, dtype) -> tuple[lis
             x for x in timed.calls if x.run == run and x.pass_ == pass_ and (x.position == 0) == first
         ]
         row = {"size": f"{B} x {S}", "rank": rank, "pass": pass_}
-        for run in ("new", "reused"):
+        for run in ("new", "reused", "fa4"):
             for first in (True, False):
                 calls = pick(run, first)
                 tag = f"{run} {'first' if first else 'later'}"
@@ -218,23 +295,26 @@ def main(argv: list[str] | None = None) -> None:
             rows += got
             lines += profile
     emu._install(None)
+    anchor = "FA4's _flash_attn_fwd / _flash_attn_bwd" if device.type == "cuda" else "the math kernel (CPU stand-in)"
     print(
-        f"# {device_name(device)}, torch {torch.__version__}; CP {args.cp} emulated, Hq/Hkv {HQ}/{HKV}, D {D}, "
+        f"# {device_name(device)}, torch {torch.__version__}; anchor: {anchor}; CP {args.cp} emulated, Hq/Hkv {HQ}/{HKV}, D {D}, "
         f"{args.layers} layers, {args.steps} steps x {args.rounds} rounds per run, garbage collector {args.gc}; "
         "medians, host us per call"
     )
     print(
         "| B x S | rank | pass | first call, new layout: wall (CPU) | first call, layout reused: wall (CPU) "
         "| later layers, new: wall | later layers, reused: wall | new / reused, first calls | first / later, new "
-        "| first / later, reused |"
+        "| first / later, reused | anchor: first, later: wall | anchor: first / later | first - later: new, anchor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        nf, rf, nl, rl = (r[f"{k} wall_us"] for k in ("new first", "reused first", "new later", "reused later"))
+        nf, rf, nl, rl, af, al = (
+            r[f"{k} wall_us"] for k in ("new first", "reused first", "new later", "reused later", "fa4 first", "fa4 later")
+        )
         print(
             f"| {r['size']} | {r['rank']} | {r['pass']} | {nf:.0f} ({r['new first cpu_us']:.0f}) "
             f"| {rf:.0f} ({r['reused first cpu_us']:.0f}) | {nl:.0f} | {rl:.0f} | {nf / rf:.2f} | {nf / nl:.2f} "
-            f"| {rf / rl:.2f} |"
+            f"| {rf / rl:.2f} | {af:.0f}, {al:.0f} | {af / al:.2f} | {nf - nl:+.0f}, {af - al:+.0f} |"
         )
     for line in lines:
         print(line)

@@ -142,6 +142,7 @@ def test_dry_run(name, tmp_path):
         rows = [r.split(" | ") for r in run.stdout.splitlines() if r.startswith("| 1 x 1024 ")]
         assert sorted((r[1], r[2]) for r in rows) == [("0", "backward"), ("0", "forward"), ("1", "backward"), ("1", "forward")]
         assert all(float(x.strip(" |")) > 0 for r in rows for x in r[7:10]), rows
+        assert all(float(x) > 0 for r in rows for x in r[10].split(", ")), rows  # the anchor's first and later calls
         assert "cProfile, 1 x 1024, rank 1 of 2" in run.stdout
     if name == "trace_collectives":  # rank 0 waits 100 us at each of 3 calls, then both move for 50 us
         rows = {r.split(" | ")[0][2:]: r.split(" | ")[2:6] for r in run.stdout.splitlines() if r.startswith("| 0 ") or r.startswith("| 1 ")}
