@@ -339,6 +339,11 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
             if not args.skip_eager:
                 eager_cus = cus[: args.warmup + 2]
                 res["eager_ms"] = 1e3 * time_steps(train_step_fn(parallel, lt, ltg, opt), eager_cus, device, args.warmup)
+            if device.type == "cuda":
+                sync(device)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_reserved(device)
             t0 = time.perf_counter()
             step(cus[0])
             sync(device)
@@ -350,6 +355,12 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
                 new.append(1e3 * time_steps(step, cus[1:], device, args.warmup - 1))
                 same.append(1e3 * time_steps(step, [cus[1]] * (n - 1), device, 1))
             res["compiled_ms"], res["compiled_same_layout_ms"] = min(new), min(same)
+            if device.type == "cuda":  # recorded CUDA graphs hold their pools in the reserved memory
+                res["memory_gib"] = dict(
+                    peak_allocated=torch.cuda.max_memory_allocated(device) / 2**30,
+                    reserved=torch.cuda.memory_reserved(device) / 2**30,
+                    reserved_before=before / 2**30,
+                )
             res["host_ms"] = host_phases_ms(since)
             if args.autograd_threads == "both":
                 res["backward_threads"] = time_both_threads(step, cus[1:], device, args.warmup - 1, args.rounds)
@@ -373,6 +384,11 @@ def emulate(layout, world, cfg, S, docs_kinds, device, dtype, args, plain) -> li
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _memory(row: dict) -> str:
+    m = row.get("memory_gib")
+    return "-" if m is None else f"{m['peak_allocated']:.1f} / {m['reserved']:.1f} ({m['reserved_before']:.1f})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -440,8 +456,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(r)
     print(f"\ndevice: {device_name(device)}  torch {torch.__version__}  emulated world {args.world} (rank 0, fake group)")
     print("| dim | S | docs | layout | mesh | plain row ms (eager / compiled) | placed eager ms | placed compiled ms "
-          "| eff vs plain eager | vs plain compiled | MFU | new layout ms | GPU busy | kernels ms (attn / gemm / elem / copy) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| eff vs plain eager | vs plain compiled | MFU | new layout ms | GPU busy | kernels ms (attn / gemm / elem / copy) "
+          "| GiB: peak allocated / reserved (before the first step) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['dim']} | {r['S']} | {r['docs']} | {r['layout']} | error: {r['error'][:100]} |")
@@ -453,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['dim']} | {r['S']} | {r['docs']} | {r['layout']}{mark} | {r['mesh']} | "
               f"{r['plain_row']['eager_ms']:.1f} / {r['plain_row']['compiled_ms']:.1f} | {eager} | "
               f"{r['compiled_ms']:.1f} | {r['eff_vs_plain_eager']:.2f} | {r['eff_vs_plain_compiled']:.2f} | {r['mfu']:.2f} | "
-              f"{r['new_layout_ms']:+.1f} | {r.get('busy', '-')} | {ks} |")
+              f"{r['new_layout_ms']:+.1f} | {r.get('busy', '-')} | {ks} | {_memory(r)} |")
     both = [r for r in rows if "backward_threads" in r]
     if both:
         print("\nbackward on autograd's device thread (on) or the calling thread (off): ms per step "
