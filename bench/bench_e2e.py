@@ -1097,6 +1097,11 @@ def worker(rank, world, port, args):
             dict(
                 anchor=anchor,
                 world=world,
+                batch=args.batch,
+                seq=args.seq,
+                mesh=[[n, int(k)] for n, k in zip(mesh.mesh_dim_names, mesh.shape)],
+                launcher=launcher,
+                launched_threads=launched_threads,
                 peak_tflops=args.peak_tflops,
                 model=args.model,
                 cfg=spec.cfg,
