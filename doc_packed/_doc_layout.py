@@ -207,8 +207,12 @@ class _ValuesKey:
 # (values key) -> DocLayout, and (identity key) -> (the tensor, its DocLayout) for non-CPU tensors
 _layouts: OrderedDict[_ValuesKey, DocLayout] = OrderedDict()
 _tensors: OrderedDict[tuple, tuple[torch.Tensor, DocLayout]] = OrderedDict()
-# the last non-CPU tensor found by identity: [tensor, seq_len, version, layout] (same key, fewer steps)
-_last: list = [None, -1, -1, None]
+# [tensor, seq_len, version, layout] of two non-CPU tensors, checked before the identity key (same
+# answer, fewer steps): the one found last (every layer of a step passes it) and the one
+# registered last (the next step's, registered while this step runs), so the next step's first
+# call finds its tensor as the later layers do
+_NO_TENSOR = (None, -1, -1, None)
+_recent: list = [_NO_TENSOR, _NO_TENSOR]
 
 
 def _lru_put(cache: OrderedDict, key: Any, value: Any) -> None:
@@ -256,9 +260,13 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
 def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     """The validated :class:`DocLayout` of ``cu_seqlens`` (CPU: keyed on the values; other
     devices: one host read per distinct tensor and version, see the module doc)."""
-    last = _last
+    last = _recent[0]
     if cu_seqlens is last[0] and seq_len == last[1] and _compat.tensor_version(cu_seqlens) == last[2]:
         return last[3]  # every layer of a step passes the same tensor: the identity key, short
+    last = _recent[1]
+    if cu_seqlens is last[0] and seq_len == last[1] and _compat.tensor_version(cu_seqlens) == last[2]:
+        _recent.reverse()  # a step's first call on the tensor registered during the step before
+        return last[3]
     cu = cu_seqlens.detach()
     if cu.device.type == "cpu":
         return _layout_of(cu, seq_len)
@@ -274,7 +282,7 @@ def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
         if key is not None:
             _lru_put(_tensors, key, (cu_seqlens, layout))
     if key is not None:
-        _last[:] = [cu_seqlens, seq_len, key[4], layout]
+        _recent[0] = (cu_seqlens, seq_len, key[4], layout)
     return layout
 
 
@@ -284,6 +292,7 @@ def register(cu_seqlens: torch.Tensor, layout: DocLayout) -> None:
     key = _identity_key(cu_seqlens.detach(), layout.seq_len)
     if key is not None and cu_seqlens.device.type != "cpu":
         _lru_put(_tensors, key, (cu_seqlens, layout))
+        _recent[1] = (cu_seqlens, layout.seq_len, key[4], layout)
 
 
 def registered_seq_len(cu_seqlens: torch.Tensor) -> int | None:
@@ -310,4 +319,4 @@ def clear_cache() -> None:
     """Forget every cached layout (tests; memory)."""
     _layouts.clear()
     _tensors.clear()
-    _last[:] = [None, -1, -1, None]
+    _recent[:] = [_NO_TENSOR, _NO_TENSOR]

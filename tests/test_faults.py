@@ -482,6 +482,36 @@ def test_random_rows_round_trip_through_the_value_keyed_cache():
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
+def test_next_steps_registered_tensor_is_found_like_the_current_one(monkeypatch):
+    """``prepare`` registers the next step's device ``cu_seqlens`` while a step runs: that step's
+    later calls and the next step's first call both find their tensor without building its
+    identity key, each gets its own layout, and a torch write to either is still seen. (Meta
+    tensors stand in for CUDA ones: identity keys, no values to read.)"""
+    _doc_layout.clear_cache()
+    S = 16
+    host = [dp.cu_seqlens_from_lengths(rows, S, max_docs=3) for rows in ([[4, 12]], [[16]], [[8, 8]])]
+    layouts = [_doc_layout.get_layout(h, S) for h in host]  # validated from the host values
+    cus = [torch.empty((1, 4 + i), dtype=torch.int32, device="meta") for i in range(3)]  # distinct keys
+    keys = []
+    real_key = _doc_layout._identity_key
+    monkeypatch.setattr(_doc_layout, "_identity_key", lambda cu, s: keys.append(cu) or real_key(cu, s))
+
+    _doc_layout.register(cus[0], layouts[0])
+    assert _doc_layout.get_layout(cus[0], S) is layouts[0]  # step 0's first call
+    for step in (1, 2):
+        _doc_layout.register(cus[step], layouts[step])  # the next step's, made during this one
+        keys.clear()
+        assert _doc_layout.get_layout(cus[step - 1], S) is layouts[step - 1]  # this step's later layers
+        assert _doc_layout.get_layout(cus[step], S) is layouts[step]  # the next step's first call
+        assert _doc_layout.get_layout(cus[step], S) is layouts[step]  # and its later layers
+        assert keys == [], "found by the recent tensors, not by a rebuilt identity key"
+    cus[2].add_(0)  # a torch write: the version moves on, the tensor must be looked up again
+    with pytest.raises(NotImplementedError):  # (read back: a meta tensor has no values to read)
+        _doc_layout.get_layout(cus[2], S)
+    assert keys, "a written tensor is not taken from the recent tensors"
+    _doc_layout.clear_cache()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_sees_versioned_writes_and_never_caches_inference_tensors():
