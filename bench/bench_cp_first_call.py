@@ -15,8 +15,7 @@ back-pressure in these timings). Two runs of ``--steps`` steps each, in turn (``
 - ``fa4``: the same steps through FA4's own entry points (``_flash_attn_fwd`` / ``_flash_attn_bwd``
   in an autograd function, a new layout of this rank's chunk every step, no context parallelism;
   on CPU, the dry run, the package's math kernel stands in): how much slower the first call of a
-  step is when none of our code runs, i.e. what any call launched from Python pays for coming
-  after the step's other work.
+  step is when none of our code runs in it.
 
 Per call: host wall and thread-CPU microseconds, medians. The ratio that answers the question is
 the first call of a step with a new layout over the first call with the layout reused; a later
