@@ -79,7 +79,7 @@ class _Timed:
         self._wrapped.__exit__(*exc)
 
     def timed(self, name: str, fn, *args):
-        """``fn(*args)`` timed as the next call of pass ``name`` (the anchor's calls)."""
+        """``fn(*args)`` timed as the next call of pass ``name``."""
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         result = fn(*args)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
@@ -89,21 +89,17 @@ class _Timed:
 
     def _wrap(self, name, fn):
         def call(*args):
+            if not self.profile:
+                return self.timed(name, fn, *args)
             firsts = attention.call_host_times()["first"][0]
-            prof = cProfile.Profile() if self.profile else None
-            if prof is not None:
-                prof.enable()
-            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            prof = cProfile.Profile()
+            prof.enable()
             result = fn(*args)
-            wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
-            if prof is not None:
-                prof.disable()
-                kind = "first" if attention.call_host_times()["first"][0] > firsts else "later"
-                self.profiled[(name, kind)] += 1
-                for (path, line, func), (_, _, own, _, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
-                    self.own_us[kind][(name, f"{os.path.basename(path)}:{line}:{func}")] += own * 1e6
-            else:
-                self.calls.append(_Call(self.run, name, self.position[name], wall / 1e3, cpu / 1e3))
+            prof.disable()
+            kind = "first" if attention.call_host_times()["first"][0] > firsts else "later"
+            self.profiled[(name, kind)] += 1
+            for (path, line, func), (_, _, own, _, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+                self.own_us[kind][(name, f"{os.path.basename(path)}:{line}:{func}")] += own * 1e6
             self.position[name] += 1
             return result
 
@@ -175,6 +171,7 @@ def _steps(
                 cu.append(cu[-1] + x)
         return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
 
+    flat = lambda t: t.view(B * (S // c), *t.shape[2:])  # noqa: E731  (the anchor's rows joined)
     ready = next_layout()
     for _ in range(n):
         timed.position.clear()
@@ -185,7 +182,6 @@ def _steps(
             if anchor is None:
                 h, _ = torch.ops.doc_packed.attn_fwd(h, k, v, ready, S, True, -1, 0, scale, "auto", emu.GROUP)
             else:
-                flat = lambda t: t.view(B * (S // c), *t.shape[2:])  # noqa: E731
                 h = _Anchor.apply(flat(h), flat(k), flat(v), ready, S // c, anchor, timed).view(B, S // c, HQ, D)
         ready = next_layout()  # the next step's
         h.float().sum().backward()
