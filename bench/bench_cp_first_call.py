@@ -46,6 +46,7 @@ from doc_packed import cp
 from doc_packed.cp import attention
 
 HQ, HKV, D = 16, 4, 128
+SCALE = D**-0.5
 PASSES = ("forward", "backward")
 
 
@@ -109,12 +110,11 @@ class _Timed:
 def _anchor_passes(device: torch.device):
     """(forward, backward) of the anchor on a flat chunk with offsets ``cu`` (device int32) and
     longest segment ``T``: FA4's own entry points on CUDA; the package's math kernel on CPU."""
-    scale = D**-0.5
     if device.type == "cuda":
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
         def keywords(cu, T):
-            return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T, softmax_scale=scale,
+            return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T, softmax_scale=SCALE,
                         causal=True, window_size_left=None, window_size_right=None)  # fmt: skip
 
         def fwd(q, k, v, cu, T):
@@ -127,8 +127,8 @@ def _anchor_passes(device: torch.device):
     from doc_packed import kernels
 
     spec = lambda cu: kernels.VarlenSpec(cu.tolist(), cu.tolist(), True, -1, 0)  # noqa: E731
-    fwd = lambda q, k, v, cu, T: kernels.forward(spec(cu), q, k, v, scale, "auto")  # noqa: E731
-    bwd = lambda dout, q, k, v, out, lse, cu, T: kernels.backward(spec(cu), dout, q, k, v, out, lse, scale, "auto")  # noqa: E731
+    fwd = lambda q, k, v, cu, T: kernels.forward(spec(cu), q, k, v, SCALE, "auto")  # noqa: E731
+    bwd = lambda dout, q, k, v, out, lse, cu, T: kernels.backward(spec(cu), dout, q, k, v, out, lse, SCALE, "auto")  # noqa: E731
     return fwd, bwd
 
 
@@ -158,7 +158,6 @@ def _steps(
     one ``gc.collect(1)`` after each step (the automatic collector off, as torchtitan runs it).
     Run ``fa4``: the anchor's layers instead, on the chunk's own documents (rows joined)."""
     timed.run = run
-    scale = D**-0.5
     anchor = _anchor_passes(device) if run == "fa4" else None
     rng = random.Random(n)
 
@@ -180,7 +179,7 @@ def _steps(
         h = x
         for _ in range(layers):
             if anchor is None:
-                h, _ = torch.ops.doc_packed.attn_fwd(h, k, v, ready, S, True, -1, 0, scale, "auto", emu.GROUP)
+                h, _ = torch.ops.doc_packed.attn_fwd(h, k, v, ready, S, True, -1, 0, SCALE, "auto", emu.GROUP)
             else:
                 h = _Anchor.apply(flat(h), flat(k), flat(v), ready, S // c, anchor, timed).view(B, S // c, HQ, D)
         ready = next_layout()  # the next step's

@@ -51,7 +51,7 @@ def rows_of(runs: list[list[dict]]) -> list[dict]:
     for run in runs:
         head, modes = run[0], [r for r in run[1:] if "threads" in r]
         anchor = (head.get("anchor") or {}).get("compiled_tokens_per_s")
-        world = head["world"]
+        world, B, S = head["world"], head.get("batch"), head.get("seq")
         forced_best: dict[str, float] = {}
         for r in modes:
             if not _free(r["mode"]):
@@ -60,7 +60,6 @@ def rows_of(runs: list[list[dict]]) -> list[dict]:
         for r in modes:
             for threads, t in r["threads"].items():
                 tokens = t["tokens_per_s"] * t["step_s"]
-                B, S = head.get("batch"), head.get("seq")
                 median = statistics.median(t["step_times_s"])
                 per_gpu = None if anchor is None else t["tokens_per_s"] / world / anchor
                 target = PER_GPU.get((world, r["mode"], B, S))

@@ -260,13 +260,13 @@ def _layout_of(host: torch.Tensor, seq_len: int) -> DocLayout:
 def get_layout(cu_seqlens: torch.Tensor, seq_len: int) -> DocLayout:
     """The validated :class:`DocLayout` of ``cu_seqlens`` (CPU: keyed on the values; other
     devices: one host read per distinct tensor and version, see the module doc)."""
-    last = _recent[0]
-    if cu_seqlens is last[0] and seq_len == last[1] and _compat.tensor_version(cu_seqlens) == last[2]:
-        return last[3]  # every layer of a step passes the same tensor: the identity key, short
-    last = _recent[1]
-    if cu_seqlens is last[0] and seq_len == last[1] and _compat.tensor_version(cu_seqlens) == last[2]:
-        _recent.reverse()  # a step's first call on the tensor registered during the step before
-        return last[3]
+    # every layer of a step passes the same tensor (slot 0); a step's first call passes the one
+    # registered during the step before (slot 1), which then becomes the one found last
+    for slot, (tensor, length, version, layout) in enumerate(_recent):
+        if cu_seqlens is tensor and seq_len == length and _compat.tensor_version(cu_seqlens) == version:
+            if slot:
+                _recent.reverse()
+            return layout
     cu = cu_seqlens.detach()
     if cu.device.type == "cpu":
         return _layout_of(cu, seq_len)
